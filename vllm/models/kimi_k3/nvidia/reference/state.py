@@ -1,0 +1,143 @@
+"""`DecodeState`: every per-request state of one rank, shared by both decode paths.
+
+| state | tensor per layer | dtype | slot rule |
+|---|---|---|---|
+| KDA recurrent | `rec [1 + R·Q, h_r, d (value), d (key)]` | fp32 | request r owns slots `1 + r·Q + j`, j < Q |
+| KDA conv | `conv [1 + R, 2 + Q, 3·P_r]` (time-major, channels q‖k‖v) | bf16 | request r owns slot `1 + r` |
+| MLA latent | `cache [num_blocks, block_size, r_kv + d_r]` paged | bf16 | block table row r |
+
+R = request capacity, Q = max tokens per request in a step (1 + speculative drafts).
+Slot 0 of each pool is the null slot: padding rows read it and never write real state.
+AttnRes keeps nothing across steps (K3_MATH.md §3.2).
+
+Verify steps and rollback follow K3_MATH.md §3.4 (7): a step of q tokens for request r
+reads the recurrent state of slot `accepted[r] − 1`, writes the state after token t into
+slot t, and rewrites the conv window as `[C[a], C[a+1], x_0 … x_{q−1}]`. Accepting a
+prefix of k tokens (`accept(r, k)`) is then exact and free: the next step reads slot
+k − 1 and conv taps `C[k−1 … k+1]`, and the MLA length drops to the accepted tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..latency_specialized.config import K3TextConfig, ShardShapes
+
+
+class StateError(RuntimeError):
+    """A request does not fit the state pool (capacity, context length)."""
+
+
+@dataclass
+class Segment:
+    """One request's tokens inside a step's flattened [N, H] activations."""
+
+    request: int  # request slot index r (0-based)
+    row0: int  # first row of the request in the step
+    n: int  # tokens of this request in the step
+    prefill: bool  # True: extend the prompt (state written once at the end)
+    pos0: int  # position of the first token = tokens already cached
+    rec_slots: list[int]  # recurrent slots: decode one per token; prefill [final slot]
+    rec_read_slot: int  # recurrent slot the step starts from
+    conv_slot: int
+    accepted: int  # tokens accepted by the previous verify step (1 otherwise)
+    block_table: torch.Tensor  # int32 [max_blocks] MLA block ids of this request
+
+
+@dataclass
+class KDALayerState:
+    rec: torch.Tensor
+    conv: torch.Tensor
+
+
+@dataclass
+class MLALayerState:
+    cache: torch.Tensor
+
+
+class DecodeState:
+    def __init__(self, cfg: K3TextConfig, shard: ShardShapes, *, max_requests: int,
+                 max_len: int, max_q: int = 1, block_size: int = 64,
+                 device: torch.device | str = "cpu"):
+        if not 1 <= max_q <= 8:
+            raise StateError(f"max_q (tokens per request in a step) must be in 1..8, found {max_q}")
+        self.cfg, self.shard, self.device = cfg, shard, torch.device(device)
+        self.max_requests, self.max_len, self.max_q, self.block_size = max_requests, max_len, max_q, block_size
+        self.blocks_per_req = -(-max_len // block_size)
+        num_blocks = 1 + max_requests * self.blocks_per_req  # block 0 is the null block
+        d, h = cfg.kda_head_dim, shard.kda_heads
+        self.kda: dict[int, KDALayerState] = {}
+        self.mla: dict[int, MLALayerState] = {}
+        for i in range(cfg.num_hidden_layers):
+            if cfg.layer_kind(i) == "kda":
+                self.kda[i] = KDALayerState(
+                    rec=torch.zeros(1 + max_requests * max_q, h, d, d, dtype=torch.float32, device=self.device),
+                    conv=torch.zeros(1 + max_requests, 2 + max_q, 3 * shard.kda_proj,
+                                     dtype=torch.bfloat16, device=self.device),
+                )
+            else:
+                self.mla[i] = MLALayerState(cache=torch.zeros(
+                    num_blocks, block_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                    dtype=torch.bfloat16, device=self.device))
+        # static block tables: request r owns blocks 1 + r·blocks_per_req …
+        ar = torch.arange(self.blocks_per_req, dtype=torch.int32)
+        self.block_table = torch.stack([1 + r * self.blocks_per_req + ar for r in range(max_requests)]).to(self.device)
+        self.seq_lens = [0] * max_requests
+        self.accepted = [1] * max_requests
+        self.in_use = [False] * max_requests
+
+    # ------------------------------------------------------------------ slots
+
+    def rec_slot(self, r: int, j: int) -> int:
+        return 1 + r * self.max_q + j
+
+    def conv_slot(self, r: int) -> int:
+        return 1 + r
+
+    def allocate(self) -> int:
+        for r, used in enumerate(self.in_use):
+            if not used:
+                self.in_use[r] = True
+                self.seq_lens[r], self.accepted[r] = 0, 1
+                self._clear(r)
+                return r
+        raise StateError(f"all {self.max_requests} request slots are in use; raise max_requests")
+
+    def free(self, r: int) -> None:
+        self.in_use[r] = False
+
+    def _clear(self, r: int) -> None:
+        for st in self.kda.values():
+            st.rec[self.rec_slot(r, 0):self.rec_slot(r, self.max_q)].zero_()
+            st.conv[self.conv_slot(r)].zero_()
+
+    # ------------------------------------------------------------------ steps
+
+    def segment(self, r: int, row0: int, n: int, prefill: bool) -> Segment:
+        if not self.in_use[r]:
+            raise StateError(f"request slot {r} is not allocated")
+        if self.seq_lens[r] + n > self.max_len:
+            raise StateError(
+                f"request {r}: {self.seq_lens[r]} cached + {n} new tokens exceed max_len {self.max_len}")
+        if not prefill and n > self.max_q:
+            raise StateError(f"request {r}: {n} tokens in a decode step exceed max_q {self.max_q}")
+        a = self.accepted[r]
+        slots = [self.rec_slot(r, 0)] if prefill else [self.rec_slot(r, j) for j in range(n)]
+        return Segment(request=r, row0=row0, n=n, prefill=prefill, pos0=self.seq_lens[r],
+                       rec_slots=slots, rec_read_slot=self.rec_slot(r, a - 1),
+                       conv_slot=self.conv_slot(r), accepted=a, block_table=self.block_table[r])
+
+    def commit(self, seg: Segment) -> None:
+        """Record that the step ran: all n tokens are cached; prefill/plain decode accept all."""
+        self.seq_lens[seg.request] = seg.pos0 + seg.n
+        self.accepted[seg.request] = 1 if (seg.prefill or seg.n == 1) else seg.n
+
+    def accept(self, r: int, k: int) -> None:
+        """After a verify step of q tokens keep only the first k (1 ≤ k ≤ q) of them."""
+        q = self.accepted[r]
+        if not 1 <= k <= q:
+            raise StateError(f"request {r}: accepted {k} must be in 1..{q} (tokens of its last step)")
+        self.seq_lens[r] -= q - k
+        self.accepted[r] = k
