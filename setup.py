@@ -1,0 +1,31 @@
+"""Kimi K3 latency-specialized decode: an in-tree overlay for vllm/models/kimi_k3/nvidia/.
+
+vllm/, vllm/models/, vllm/models/kimi_k3/ and vllm/models/kimi_k3/nvidia/ are namespace
+folders: the wheel carries only our subpackages and SCOPE.yaml inside them, never an
+__init__.py of those folders, so installing over vLLM adds files and overwrites none.
+"""
+
+from setuptools import setup
+
+MODEL = "vllm.models.kimi_k3.nvidia"
+SUBPACKAGES = ["latency_specialized", "reference", "kernels", "tests", "evals", "benchmarks"]
+
+setup(
+    name="kimi-k3-latency-specialized",
+    version="0.1.0",
+    description="Opt-in latency-specialized decode backend for Kimi K3 in vLLM (CuTe DSL kernels)",
+    python_requires=">=3.10",
+    packages=[MODEL] + [f"{MODEL}.{p}" for p in SUBPACKAGES],
+    package_data={
+        MODEL: ["SCOPE.yaml", "README.md", "evidence/*.json"],
+        f"{MODEL}.latency_specialized": ["*.json"],
+        f"{MODEL}.evals": ["*.json", "*.yaml", "data/*"],
+    },
+    install_requires=["torch>=2.9", "numpy", "pyyaml", "safetensors"],
+    extras_require={
+        "test": ["pytest>=8", "coverage>=7", "build", "wheel"],
+        "gpu": ["nvidia-cutlass-dsl==4.8.1"],
+        "eval": ["lm-eval"],
+    },
+    entry_points={"console_scripts": [f"k3-decode={MODEL}.latency_specialized.cli:main"]},
+)

@@ -1,0 +1,109 @@
+"""`k3-decode`: generate text with the K3 decoder, and show the backend's scope verdict.
+
+    k3-decode generate --config mini --prompt "Hello" --max-tokens 32 [--temperature T]
+    k3-decode scope [--gpu GB300 --tp 16 --max-model-len 262144 --spec dspark:7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+
+import torch
+
+from . import scope_cli
+from .config import ConfigError, preset
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    g = sub.add_parser("generate", help="generate text from a prompt")
+    g.add_argument("--config", default="mini",
+                   help="preset name (mini, k3) or a config.json path; default: mini")
+    g.add_argument("--weights", default=None,
+                   help="safetensors file or directory; default: seeded random weights")
+    g.add_argument("--seed", type=int, default=0, help="seed of the random weights and of sampling")
+    g.add_argument("--prompt", action="append", required=True,
+                   help="prompt text (repeat for a batch of requests)")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    g.add_argument("--additional-config", default="{}",
+                   help='vLLM-style JSON, e.g. \'{"decode_backend": "latency_specialized"}\'')
+    g.add_argument("--stats", action="store_true", help="print the path counters after the run")
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from ..reference.model import ReferenceModel
+    from .deployment import Deployment
+    from .dispatch import Dispatcher
+    from .engine import Engine, Request
+    from .options import BackendOptions
+    from .sampler import SamplingParams
+    from .tokenizer import ByteTokenizer
+    from .weights import RandomSource, SafetensorsSource, load_rank
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("error: --device cuda asked for, but no CUDA device is present; use --device cpu",
+              file=sys.stderr)
+        return 2
+    try:
+        extra = json.loads(args.additional_config)
+    except json.JSONDecodeError as e:
+        print(f"error: --additional-config is not valid JSON ({e})", file=sys.stderr)
+        return 2
+    options = BackendOptions.parse(extra)
+    cfg = preset(args.config)
+    tok = ByteTokenizer()
+    if cfg.vocab_size < tok.vocab_size:
+        print(f"error: config {cfg.name} has vocab_size {cfg.vocab_size} < {tok.vocab_size} "
+              "needed by the byte tokenizer", file=sys.stderr)
+        return 2
+    t0 = time.perf_counter()
+    source = SafetensorsSource(args.weights) if args.weights else RandomSource(cfg, seed=args.seed)
+    weights = load_rank(source, cfg, device=args.device)
+    model = ReferenceModel(cfg, weights)
+    load_s = time.perf_counter() - t0
+    prompts = [tok.encode(p) for p in args.prompt]
+    max_len = max(len(p) for p in prompts) + args.max_tokens
+    deployment = Deployment.detect(tp=1, max_model_len=max_len)
+    dispatcher = Dispatcher(options, deployment)
+    engine = Engine(model, dispatcher=dispatcher, max_requests=len(prompts), max_len=max_len)
+    params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+                            seed=args.seed, max_tokens=args.max_tokens, stop_token_ids=(tok.EOS,))
+    done = engine.generate([Request(p, params) for p in prompts])
+    for prompt, c in zip(args.prompt, done):
+        print(f"{prompt!r} -> {tok.decode(c.output_ids)!r}")
+    s = engine.stats
+    paths = ", ".join(f"{k} {v}" for k, v in sorted(s.paths.items()))
+    print(f"[k3-decode] config {cfg.name}, {len(done)} request(s): {s.tokens} tokens in {s.seconds:.2f} s "
+          f"({s.tokens_per_s:.1f} tokens/s; weights {load_s:.2f} s); steps: {s.prefill_steps} prefill + "
+          f"{s.decode_steps} decode; served by: {paths}; backend {options.decode_backend}: "
+          f"{dispatcher.counters.summary()}")
+    if args.stats:
+        print(dispatcher.counters.table())
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    ap = argparse.ArgumentParser(prog="k3-decode", description=__doc__.split("\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    _add_generate(sub)
+    scope_cli.add_parser(sub)
+    args = ap.parse_args(argv)
+    try:
+        if args.cmd == "generate":
+            return _generate(args)
+        return scope_cli.run(args)
+    except (ConfigError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
