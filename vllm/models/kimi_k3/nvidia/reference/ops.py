@@ -15,8 +15,17 @@ F32 = torch.float32
 
 
 def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = BF16) -> torch.Tensor:
-    """y = x · wᵀ with fp32 accumulation and one rounding to `out_dtype`."""
-    return (x.to(F32) @ w.to(F32).t()).to(out_dtype)
+    """y = x · wᵀ, accumulated in fp32 or better and rounded once to `out_dtype`.
+
+    On CPU (the oracle) the products of bf16 inputs are summed in fp64: every row's result
+    is then independent of how many rows share the GEMM, so batching, verify steps and
+    rollback can be checked for exact equality. On CUDA it is the stock bf16 GEMM (cuBLAS,
+    fp32 accumulation), the baseline the specialized kernels are timed against.
+    """
+    if x.is_cuda:
+        y = torch.nn.functional.linear(x.to(BF16), w.to(BF16))
+        return y if out_dtype == BF16 else (x.to(F32) @ w.to(F32).t()).to(out_dtype)
+    return (x.to(torch.float64) @ w.to(torch.float64).t()).to(out_dtype)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -1,0 +1,47 @@
+"""Small helpers shared by the model-level tests (not tests themselves)."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.models.kimi_k3.nvidia.latency_specialized.config import preset
+from vllm.models.kimi_k3.nvidia.latency_specialized.weights import RandomSource, load_rank
+from vllm.models.kimi_k3.nvidia.reference.model import ReferenceModel
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """‖out − ref‖ / ‖ref‖ in fp32 (METHOD.md's metric)."""
+    out, ref = out.float(), ref.float()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def mini_model(seed: int = 0, tp: int = 1, rank: int = 0, coll=None, **cfg_overrides) -> ReferenceModel:
+    cfg = preset("mini").replace(**cfg_overrides) if cfg_overrides else preset("mini")
+    w = load_rank(RandomSource(cfg, seed=seed), cfg, tp=tp, rank=rank)
+    return ReferenceModel(cfg, w, tp=tp, rank=rank, coll=coll)
+
+
+def run_steps(model: ReferenceModel, prompts: list[list[int]], steps: list[list[list[int]]],
+              *, max_len: int = 256, max_q: int = 1, accept: list[list[int]] | None = None):
+    """Prefill `prompts` in one step, then decode steps: steps[s][r] = token ids of request r.
+
+    Returns (logits of each step as a list of [rows, V] tensors, state).
+    """
+    state = model.new_state(max_requests=len(prompts), max_len=max_len, max_q=max_q)
+    slots = [state.allocate() for _ in prompts]
+    segs, row = [], 0
+    for r, p in zip(slots, prompts):
+        segs.append(state.segment(r, row, len(p), prefill=True))
+        row += len(p)
+    out = [model.logits(model.forward(torch.tensor(sum(prompts, [])), segs, state))]
+    for s, step in enumerate(steps):
+        segs, row, ids = [], 0, []
+        for r, toks in zip(slots, step):
+            segs.append(state.segment(r, row, len(toks), prefill=False))
+            row += len(toks)
+            ids += toks
+        out.append(model.logits(model.forward(torch.tensor(ids), segs, state)))
+        if accept is not None and s < len(accept):
+            for r, k in zip(slots, accept[s]):
+                state.accept(r, k)
+    return out, state
