@@ -14,9 +14,10 @@ replicated (every rank routes identically and multiplies the full up-projection 
 latent sum); routed and shared experts split the intermediate dimension, routed slices
 zero-padded to `shard.moe_inter` (inert: SiTU(0, 0) = 0 and the padded W2 columns are 0).
 
-Selection: bias moves only the choice, never the weights. Groups are contiguous expert
-ranges scored by the sum of their two best s'; the best `topk_group` groups survive and
-the others drop to −∞. Order is s' descending, ties to the lower index (stable sort, not
+Selection: bias moves only the choice, never the weights. With use_grouped_topk and
+num_expert_group > 1, groups are contiguous expert ranges scored by the sum of their two
+best s'; the best `topk_group` groups survive (ties to the lower group) and the others
+drop to −∞. Order is s' descending, ties to the lower index (stable sort, not
 `torch.topk`), NaN keys below everything including −∞, so they are picked only when
 nothing else is left. Each selected expert runs once over the rows that chose it.
 """
