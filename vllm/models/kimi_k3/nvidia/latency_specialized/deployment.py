@@ -209,7 +209,8 @@ class Deployment:
             gpu = f"{self.gpu_name} ({sm_arch(self.compute_capability)}, {self.sm_count} SMs)"
         return (
             f"{gpu}, tensor_parallel {self.tensor_parallel}, max_model_len {self.max_model_len}, "
-            f"speculative {self.spec_label} ({self.tokens_per_request} tokens/request), "
+            f"speculative {self.spec_label} ({self.tokens_per_request} "
+            f"token{'s' if self.tokens_per_request > 1 else ''} per request), "
             f"CUDA graphs {'on' if self.cuda_graphs else 'off'}, dtypes: weights "
             f"{self.weight_dtype}, experts {self.expert_dtype}, MLA cache {self.mla_cache_dtype}, "
             f"KDA recurrent {self.kda_recurrent_dtype}, conv {self.conv_dtype}"
