@@ -23,7 +23,8 @@ setup(
     },
     install_requires=["torch>=2.9", "numpy", "pyyaml", "safetensors"],
     extras_require={
-        "test": ["pytest>=8", "coverage>=7", "build", "wheel"],
+        "test": ["pytest>=8", "coverage>=7", "build", "wheel", "xgrammar"],
+        "structured": ["xgrammar"],
         "gpu": ["nvidia-cutlass-dsl==4.8.1"],
         "eval": ["lm-eval"],
     },

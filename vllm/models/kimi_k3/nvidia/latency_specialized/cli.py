@@ -70,7 +70,7 @@ def _generate(args: argparse.Namespace) -> int:
     load_s = time.perf_counter() - t0
     prompts = [tok.encode(p) for p in args.prompt]
     max_len = max(len(p) for p in prompts) + args.max_tokens
-    deployment = Deployment.detect(tp=1, max_model_len=max_len)
+    deployment = Deployment.detect(tp=1, max_model_len=max_len, expert_dtype="bfloat16")
     dispatcher = Dispatcher(options, deployment)
     engine = Engine(model, dispatcher=dispatcher, max_requests=len(prompts), max_len=max_len)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,

@@ -75,13 +75,13 @@ class Engine:
             return []
         if len(requests) > self.max_requests:
             raise ValueError(f"{len(requests)} requests exceed max_requests={self.max_requests}")
+        for r in requests:
+            if not r.prompt_ids:
+                raise ValueError("every request needs at least one prompt token")
         longest = max(len(r.prompt_ids) + r.params.max_tokens for r in requests)
         if longest > self.max_len:
             raise ValueError(f"prompt + max_tokens = {longest} tokens exceeds max_len={self.max_len}; "
                              "raise max_len or shorten the request")
-        for r in requests:
-            if not r.prompt_ids:
-                raise ValueError("every request needs at least one prompt token")
         device = self.model.w.embed.device
         state = self.model.new_state(max_requests=len(requests), max_len=longest, device=device)
         slots = [state.allocate() for _ in requests]

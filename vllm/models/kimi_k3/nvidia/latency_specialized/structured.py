@@ -1,0 +1,66 @@
+"""Structured output: an xgrammar matcher (the grammar engine vLLM uses) as a token mask.
+
+`GrammarConstraint` compiles a regex or JSON schema against the byte tokenizer's vocab
+and is passed as `SamplingParams.token_mask`; the sampler applies it to the full-vocab
+logits after either decode path, so a constrained request behaves identically on both.
+One constraint object per request: it advances its matcher by the tokens sampled since
+its last call.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+from .tokenizer import ByteTokenizer
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:  # an optional dependency: say how to get it
+        raise ImportError("structured output needs xgrammar: pip install xgrammar "
+                          "(or this package's [structured] extra)") from e
+    return xgrammar
+
+
+class GrammarConstraint:
+    def __init__(self, compiled, vocab_size: int):
+        xgr = _xgrammar()
+        self._matcher = xgr.GrammarMatcher(compiled)
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+        self._seen = 0
+        self.vocab_size = vocab_size
+
+    @staticmethod
+    def _compiler(vocab_size: int, tok: ByteTokenizer):
+        xgr = _xgrammar()
+        names = {v: k for k, v in tok.SPECIALS.items()}
+        vocab = [bytes([i]) for i in range(256)] + [names[i].encode() for i in range(256, tok.vocab_size)]
+        info = xgr.TokenizerInfo(encoded_vocab=vocab, vocab_type=xgr.VocabType.RAW,
+                                 vocab_size=vocab_size, stop_token_ids=[tok.EOS])
+        return xgr.GrammarCompiler(info)
+
+    @classmethod
+    def regex(cls, pattern: str, vocab_size: int, tok: ByteTokenizer | None = None) -> "GrammarConstraint":
+        return cls(cls._compiler(vocab_size, tok or ByteTokenizer()).compile_regex(pattern), vocab_size)
+
+    @classmethod
+    def json_schema(cls, schema: str, vocab_size: int, tok: ByteTokenizer | None = None) -> "GrammarConstraint":
+        return cls(cls._compiler(vocab_size, tok or ByteTokenizer()).compile_json_schema(schema), vocab_size)
+
+    def __call__(self, output_ids: Sequence[int]) -> torch.Tensor:
+        xgr = _xgrammar()
+        for t in output_ids[self._seen:]:
+            if not self._matcher.accept_token(int(t)):
+                raise RuntimeError(f"structured output: token {t} was sampled but the grammar rejects it")
+        self._seen = len(output_ids)
+        self._matcher.fill_next_token_bitmask(self._bitmask)
+        probe = torch.zeros(1, self.vocab_size)
+        xgr.apply_token_bitmask_inplace(probe, self._bitmask)
+        return probe[0] == 0  # disallowed entries became -inf
+
+    @property
+    def finished(self) -> bool:
+        return self._matcher.is_terminated()
