@@ -1,0 +1,55 @@
+"""`k3-decode`: the README's main-job command and the scope command, as an operator runs them."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from vllm.models.kimi_k3.nvidia.latency_specialized.cli import main
+
+ROOT = Path(__file__).resolve().parents[5]
+
+
+def test_generate_prints_text_and_summary(capsys):
+    assert main(["generate", "--config", "mini", "--prompt", "Hello, K3", "--max-tokens", "6", "--stats"]) == 0
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert lines[0].startswith("'Hello, K3' -> ")
+    summary = next(l for l in lines if l.startswith("[k3-decode]"))
+    assert "6 tokens in" in summary and "tokens/s" in summary
+    assert "1 prefill + 5 decode" in summary and "served by: standard 6" in summary
+    assert "path counters (5 steps)" in out
+
+
+def test_generate_with_backend_on_cpu_explains_fallback(capsys, caplog):
+    rc = main(["generate", "--config", "mini", "--prompt", "x", "--max-tokens", "3",
+               "--additional-config", '{"decode_backend": "latency_specialized"}'])
+    assert rc == 0
+    assert "standard because: deployment out of scope x2" in capsys.readouterr().out
+    assert any("no CUDA device present" in r.getMessage() for r in caplog.records)
+
+
+def test_bad_inputs_are_clear_errors(capsys):
+    assert main(["generate", "--config", "nope", "--prompt", "x"]) == 2
+    assert "unknown config 'nope'" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--additional-config", '{"decode_backend": "fast"}']) == 2
+    assert "decode_backend" in capsys.readouterr().err
+    assert main(["generate", "--prompt", "x", "--additional-config", "{oops"]) == 2
+    assert "not valid JSON" in capsys.readouterr().err
+
+
+def test_scope_on_this_cpu_machine_says_standard_serves(capsys):
+    assert main(["scope"]) == 0
+    out = capsys.readouterr().out
+    assert "no CUDA device present" in out and "standard path serves" in out
+
+
+@pytest.mark.slow
+def test_module_entry_point_runs_in_a_fresh_process():
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-m", "vllm.models.kimi_k3.nvidia.latency_specialized", "generate",
+                        "--prompt", "hi", "--max-tokens", "2"], capture_output=True, text=True, env=env, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    assert "[k3-decode]" in r.stdout
