@@ -16,9 +16,16 @@ The recurrent state is fp32 and value-major: S[v, c] = state.rec[slot, head, v, 
 Precision: the stock Triton variant (K3_MATH.md §8 item 4). GEMM outputs (z, g_raw, the
 o_proj partial) are bf16; the conv accumulates in fp32 and its SiLU output y is rounded
 to bf16 before the recurrence; the core output o is rounded to bf16 before the gated
-norm; gate, β, L2 norms, recurrence and the gated RMSNorm are fp32. Other upstream
-variants (the CuTe decode kernel keeps y and o in fp32) differ from this within bf16
-tolerance only.
+norm; gate, β, q̂/k̂ and the recurrence are fp32, the gated RMSNorm rounds once to bf16.
+Other upstream variants (the CuTe decode kernel keeps y and o in fp32) differ from this
+within bf16 tolerance only.
+
+On CPU (the oracle) the pointwise math (gate, β, SiLU, L2 norms, gated norm) is evaluated
+in fp64 and rounded once to the dtype above. torch's fp32 CPU kernels give a different
+last bit in their vectorized body and their scalar tail, so a row's β or gate would depend
+on how many rows share the step; evaluated in fp64 (sums of squares of bf16 values are
+even exact there) every row is computed alike, and batching, verify steps and rollback
+reproduce bit for bit, like ops.linear's fp64 GEMM. On CUDA the same math runs in fp32.
 
 Segments follow reference/state.py (a = seg.accepted, C = the old conv rows):
 - decode (q = seg.n tokens, verify when q > 1): start from rec[rec_read_slot], token 0's
@@ -47,6 +54,7 @@ from .ops import BF16, F32, linear
 from .params import KDAWeights
 from .state import KDALayerState, Segment
 
+F64 = torch.float64
 L2_NORM_EPS = 1e-6  # added to the sum of squares of q and k, not to a mean
 O_NORM_EPS = 1e-5  # the gated output norm's own ε (class default), not cfg.rms_norm_eps
 SOFTPLUS_THRESHOLD = 20.0
@@ -57,15 +65,20 @@ PREFILL_CHUNK = 16
 # ---------------------------------------------------------------------- elementwise parts
 
 
+def _pointwise_dtype(t: torch.Tensor) -> torch.dtype:
+    return F32 if t.is_cuda else F64
+
+
 def decay_log_alpha(g_raw: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
                     lower_bound: float | None) -> torch.Tensor:
     """Per-channel log decay, fp32 [N, h, d], from g_raw [N, h, d], A_log [h], dt_bias [h·d]."""
-    n, h, d = g_raw.shape
-    zg = g_raw.to(F32) + dt_bias.to(F32).view(h, d)
-    a = torch.exp(A_log.to(F32)).view(h, 1)
+    _, h, d = g_raw.shape
+    dt = _pointwise_dtype(g_raw)
+    zg = g_raw.to(dt) + dt_bias.to(dt).view(h, d)
+    a = torch.exp(A_log.to(dt)).view(h, 1)
     if lower_bound is None:
-        return -a * F.softplus(zg, beta=1.0, threshold=SOFTPLUS_THRESHOLD)
-    return lower_bound * torch.sigmoid(a * zg)
+        return (-a * F.softplus(zg, beta=1.0, threshold=SOFTPLUS_THRESHOLD)).to(F32)
+    return (lower_bound * torch.sigmoid(a * zg)).to(F32)
 
 
 def short_conv(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -80,24 +93,30 @@ def short_conv(window: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> t
     acc = weight[:, 0] * seq[0:n]
     for j in range(1, CONV_WIDTH):
         acc = acc + weight[:, j] * seq[j:j + n]
-    return F.silu(acc).to(BF16)
+    return F.silu(acc.to(_pointwise_dtype(acc))).to(BF16)
 
 
 def _l2_normalize(y: torch.Tensor) -> torch.Tensor:
-    return y / torch.sqrt((y * y).sum(-1, keepdim=True) + L2_NORM_EPS)
+    """y/sqrt(Σy² + 1e-6) over the last dim, fp32 out."""
+    yy = y.to(_pointwise_dtype(y))
+    return (yy / torch.sqrt((yy * yy).sum(-1, keepdim=True) + L2_NORM_EPS)).to(F32)
 
 
 def _gated_rms_norm(o: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """o/RMS_1e-5(o) ⊙ weight ⊙ σ(gate) per head, fp32, one rounding to bf16. o, gate [N, h, d]."""
-    of = o.to(F32)
+    """o/RMS_1e-5(o) ⊙ weight ⊙ σ(gate) per head, one rounding to bf16. o, gate [N, h, d]."""
+    dt = _pointwise_dtype(o)
+    of = o.to(dt)
     rrms = torch.rsqrt(of.pow(2).mean(-1, keepdim=True) + O_NORM_EPS)
-    return (of * rrms * weight.to(F32) * torch.sigmoid(gate.to(F32))).to(BF16)
+    return (of * rrms * weight.to(dt) * torch.sigmoid(gate.to(dt))).to(BF16)
 
 
 # ---------------------------------------------------------------------- gated delta rule
 
 
 def _check_core(q, k, v, log_alpha, beta, state) -> None:
+    if q.dim() != 3 or v.dim() != 3:
+        raise ValueError(f"gated delta rule: q and v must be [T, h, d], found {tuple(q.shape)} and "
+                         f"{tuple(v.shape)}")
     t, h, dk = q.shape
     dv = v.shape[-1]
     want = {"q": (q, (t, h, dk)), "k": (k, (t, h, dk)), "v": (v, (t, h, dv)),
@@ -270,7 +289,7 @@ def kda_attention(w: KDAWeights, cfg: K3TextConfig, shard: ShardShapes, u: torch
     x = z[:, :3 * p]
     g_out = z[:, 3 * p:4 * p].reshape(rows, h, d)
     f_a = z[:, 4 * p:4 * p + d]
-    beta = torch.sigmoid(z[:, 4 * p + d:4 * p + d + h].to(F32))
+    beta = torch.sigmoid(z[:, 4 * p + d:4 * p + d + h].to(_pointwise_dtype(z))).to(F32)
     log_alpha = decay_log_alpha(linear(f_a, w.f_b).view(rows, h, d), w.A_log, w.dt_bias,
                                 cfg.gate_lower_bound)
 
