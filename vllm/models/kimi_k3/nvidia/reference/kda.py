@@ -277,9 +277,13 @@ def _is_padding(seg: Segment) -> bool:
 
 
 def kda_attention(w: KDAWeights, cfg: K3TextConfig, shard: ShardShapes, u: torch.Tensor,
-                  segments: list[Segment], state: KDALayerState, coll: Collective) -> torch.Tensor:
+                  segments: list[Segment], state: KDALayerState, coll: Collective,
+                  *, chunked_prefill: bool = True) -> torch.Tensor:
     """u: [N, H] bf16 (rows of all segments, segment s owns rows seg.row0 : seg.row0+seg.n).
-    Returns the attention output [N, H] bf16 AFTER coll.all_reduce of the o_proj partial."""
+    Returns the attention output [N, H] bf16 AFTER coll.all_reduce of the o_proj partial.
+
+    `chunked_prefill=False` runs prefill with the decode recurrence, so tests can check the
+    prefill-to-decode state hand-off for exact equality."""
     _check_layer(w, cfg, shard, u, segments, state)
     h, d, p = shard.kda_heads, cfg.kda_head_dim, shard.kda_proj
     rows = u.shape[0]
@@ -306,7 +310,8 @@ def kda_attention(w: KDAWeights, cfg: K3TextConfig, shard: ShardShapes, u: torch
         v = y[:, 2]
         s = state.rec[seg.rec_read_slot].clone()
         if seg.prefill:
-            o, s = gated_delta_rule_chunked(qh, kh, v, log_alpha[r], beta[r], s)
+            core_rule = gated_delta_rule_chunked if chunked_prefill else gated_delta_rule_recurrent
+            o, s = core_rule(qh, kh, v, log_alpha[r], beta[r], s)
             state.rec[seg.rec_slots[0]].copy_(s)
             state.conv[seg.conv_slot, 0:3] = torch.cat([window, x[r]])[-3:]
         else:

@@ -21,7 +21,8 @@ Two equal forms of the attention core, both exposed for tests:
   W_UV after the softmax, so scores and values are taken over the latent cache itself.
   The latent output ol is rounded to bf16 before W_UV, as the attention kernel writes it.
 
-Scores, softmax and the p·v accumulation are fp32 in both forms.
+Scores, softmax and the p·v accumulation are fp32 in both forms (fp64 on CPU, where the
+oracle must be batch-invariant: `ops.acc_dtype`).
 
 Envelope: a bf16 paged cache [num_blocks, block_size, r_kv + d_r] (FP8 caches belong to
 the kernels). Block id 0 is the null block: padding segments whose block table points
@@ -37,7 +38,7 @@ import torch
 
 from ..latency_specialized.config import K3TextConfig, ShardShapes
 from .collective import Collective
-from .ops import BF16, F32, linear, rms_norm
+from .ops import BF16, F32, acc_dtype, linear, rms_norm
 from .params import MLAWeights
 from .state import MLALayerState, Segment
 
@@ -79,31 +80,33 @@ def attend_absorbed(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor,
     The n queries are the last n positions of kv (already inserted); causal among them.
     """
     _check_core(q, kv, w_uk, w_uv)
+    acc = acc_dtype(kv)
     d_n, r_kv = w_uk.shape[1], w_uk.shape[2]
     tau = 1.0 / math.sqrt(q.shape[-1])
-    ql = torch.einsum("nhd,hdr->nhr", q[..., :d_n].to(F32), w_uk.to(F32)).to(BF16)
+    ql = torch.einsum("nhd,hdr->nhr", q[..., :d_n].to(acc), w_uk.to(acc)).to(BF16)
     # [ql | q_pe] dotted with a whole cache row [c | k_pe] gives both score terms at once
     q_lat = torch.cat([ql, q[..., d_n:]], dim=-1)
-    scores = tau * torch.einsum("nhc,lc->hnl", q_lat.to(F32), kv.to(F32))
+    scores = tau * torch.einsum("nhc,lc->hnl", q_lat.to(acc), kv.to(acc))
     p = _causal_softmax(scores)
-    ol = torch.einsum("hnl,lr->nhr", p, kv[:, :r_kv].to(F32)).to(BF16)
-    return torch.einsum("nhr,hvr->nhv", ol.to(F32), w_uv.to(F32)).to(BF16)
+    ol = torch.einsum("hnl,lr->nhr", p, kv[:, :r_kv].to(acc)).to(BF16)
+    return torch.einsum("nhr,hvr->nhv", ol.to(acc), w_uv.to(acc)).to(BF16)
 
 
 def attend_naive(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor,
                  w_uv: torch.Tensor) -> torch.Tensor:
     """Non-absorbed MLA core (same contract as `attend_absorbed`): per-head keys and values."""
     _check_core(q, kv, w_uk, w_uv)
+    acc = acc_dtype(kv)
     heads, _, r_kv = w_uk.shape
     length = kv.shape[0]
     tau = 1.0 / math.sqrt(q.shape[-1])
-    c, k_pe = kv[:, :r_kv].to(F32), kv[:, r_kv:]
-    k_nope = torch.einsum("lr,hdr->lhd", c, w_uk.to(F32)).to(BF16)
-    values = torch.einsum("lr,hvr->lhv", c, w_uv.to(F32)).to(BF16)
+    c, k_pe = kv[:, :r_kv].to(acc), kv[:, r_kv:]
+    k_nope = torch.einsum("lr,hdr->lhd", c, w_uk.to(acc)).to(BF16)
+    values = torch.einsum("lr,hvr->lhv", c, w_uv.to(acc)).to(BF16)
     keys = torch.cat([k_nope, k_pe.unsqueeze(1).expand(length, heads, k_pe.shape[-1])], dim=-1)
-    scores = tau * torch.einsum("nhd,lhd->hnl", q.to(F32), keys.to(F32))
+    scores = tau * torch.einsum("nhd,lhd->hnl", q.to(acc), keys.to(acc))
     p = _causal_softmax(scores)
-    return torch.einsum("hnl,lhv->nhv", p, values.to(F32)).to(BF16)
+    return torch.einsum("hnl,lhv->nhv", p, values.to(acc)).to(BF16)
 
 
 def _cache_slots(seg: Segment, cache: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -141,11 +144,14 @@ def _check_inputs(cfg: K3TextConfig, shard: ShardShapes, w: MLAWeights, u: torch
 
 
 def mla_attention(w: MLAWeights, cfg: K3TextConfig, shard: ShardShapes, u: torch.Tensor,
-                  segments: list[Segment], state: MLALayerState, coll: Collective) -> torch.Tensor:
+                  segments: list[Segment], state: MLALayerState, coll: Collective,
+                  *, naive_prefill: bool = True) -> torch.Tensor:
     """One MLA layer on u [N, H] bf16; writes the segments' latents into `state.cache`.
 
     Returns the all-reduced o_proj output [N, H] bf16. Prefill segments use the naive
-    form, decode (and verify) segments the absorbed one.
+    form (vLLM's prefill), decode (and verify) segments the absorbed one;
+    `naive_prefill=False` runs prefill in the absorbed form too, so tests can separate
+    state handling (exact) from the two forms' bf16 rounding differences.
     """
     _check_inputs(cfg, shard, w, u, segments, state.cache)
     n_rows, heads = u.shape[0], shard.mla_heads
@@ -169,7 +175,7 @@ def mla_attention(w: MLAWeights, cfg: K3TextConfig, shard: ShardShapes, u: torch
         state.cache[blocks, offsets] = cache_rows[rows]
         blocks, offsets = _cache_slots(seg, state.cache, torch.arange(seg.pos0 + seg.n, device=u.device))
         kv = state.cache[blocks, offsets]
-        attend = attend_naive if seg.prefill else attend_absorbed
+        attend = attend_naive if (seg.prefill and naive_prefill) else attend_absorbed
         o[rows] = attend(q[rows], kv, w_uk, w_uv)
 
     gated = (o.view(n_rows, heads * d_v).to(F32) * torch.sigmoid(gate.to(F32))).to(BF16)

@@ -44,8 +44,11 @@ def lm_head(h_n: torch.Tensor, table: torch.Tensor, coll: Collective, logit_scal
 
 class ReferenceModel:
     def __init__(self, cfg: K3TextConfig, weights: ModelWeights, tp: int = 1, rank: int = 0,
-                 coll: Collective | None = None):
-        self.cfg, self.w = cfg, weights
+                 coll: Collective | None = None, *, decode_forms_in_prefill: bool = False):
+        # decode_forms_in_prefill: run prefill with the decode forms (absorbed MLA, recurrent
+        # KDA) instead of vLLM's prefill forms (naive MLA, chunked KDA); tests use it to check
+        # the prefill-to-decode state hand-off for exact equality.
+        self.cfg, self.w, self.decode_forms = cfg, weights, decode_forms_in_prefill
         self.coll = coll or SingleRank(tp, rank)
         self.shard = cfg.shard(self.coll.tp, self.coll.rank)
 
@@ -64,9 +67,11 @@ class ReferenceModel:
             ar = lw.attn_res
             u = attn_res_mix(stream.pre_attention_sources(i), ar.attn_norm, ar.attn_proj, eps, ar.input_norm)
             if isinstance(lw.attn, KDAWeights):
-                a = kda_attention(lw.attn, cfg, shard, u, segments, state.kda[i], coll)
+                a = kda_attention(lw.attn, cfg, shard, u, segments, state.kda[i], coll,
+                                  chunked_prefill=not self.decode_forms)
             else:
-                a = mla_attention(lw.attn, cfg, shard, u, segments, state.mla[i], coll)
+                a = mla_attention(lw.attn, cfg, shard, u, segments, state.mla[i], coll,
+                                  naive_prefill=not self.decode_forms)
             v = attn_res_mix(stream.add_attention(a), ar.mlp_norm, ar.mlp_proj, eps, ar.post_norm)
             if isinstance(lw.mlp, MoEWeights):
                 stream.add_mlp(moe(lw.mlp, cfg, shard, v, coll))

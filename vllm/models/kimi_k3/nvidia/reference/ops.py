@@ -28,6 +28,11 @@ def linear(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = BF16) -> t
     return (x.to(torch.float64) @ w.to(torch.float64).t()).to(out_dtype)
 
 
+def acc_dtype(t: torch.Tensor) -> torch.dtype:
+    """Accumulation dtype of the oracle: fp64 on CPU (batch-invariant, see `linear`), fp32 on CUDA."""
+    return F32 if t.is_cuda else torch.float64
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """x / RMS_eps(x) ⊙ weight in fp32, one rounding to bf16 (the fused-kernel form)."""
     xf = x.to(F32)

@@ -15,10 +15,11 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-def mini_model(seed: int = 0, tp: int = 1, rank: int = 0, coll=None, **cfg_overrides) -> ReferenceModel:
+def mini_model(seed: int = 0, tp: int = 1, rank: int = 0, coll=None, decode_forms_in_prefill: bool = False,
+               **cfg_overrides) -> ReferenceModel:
     cfg = preset("mini").replace(**cfg_overrides) if cfg_overrides else preset("mini")
     w = load_rank(RandomSource(cfg, seed=seed), cfg, tp=tp, rank=rank)
-    return ReferenceModel(cfg, w, tp=tp, rank=rank, coll=coll)
+    return ReferenceModel(cfg, w, tp=tp, rank=rank, coll=coll, decode_forms_in_prefill=decode_forms_in_prefill)
 
 
 def run_steps(model: ReferenceModel, prompts: list[list[int]], steps: list[list[list[int]]],

@@ -9,10 +9,22 @@ from vllm.models.kimi_k3.nvidia.reference.state import StateError
 
 from ._util import mini_model, rel_err, run_steps
 
-# Decode uses the recurrent KDA form and absorbed MLA; prefill uses chunked KDA and
-# non-absorbed MLA. They differ only in where bf16 roundings fall, so logits agree to
-# about 1% relative (bf16 has 8 significant bits; 93-layer drift is not exercised here).
-PREFILL_DECODE_TOL = 3e-2
+# Two kinds of comparison:
+# - hand-off: with `decode_forms_in_prefill` (absorbed MLA, recurrent KDA in prefill),
+#   prefill and decode run the same math with fp64-accumulated (batch-invariant) GEMMs on
+#   CPU; what remains is the summation order of reductions whose length differs (a causal
+#   softmax over 150 masked positions vs 108), i.e. fp64 last bits that now and then flip a
+#   bf16 rounding. Any error in how state passes from prefill to decode (cache slots, conv
+#   window, recurrent slot) is O(1) and shows far above HAND_OFF_TOL. The prefill forms
+#   themselves are checked against the decode forms per layer (test_kda_reference,
+#   test_mla_reference);
+# - stock forms: vLLM's naive MLA prefill rounds different intermediates to bf16 than the
+#   absorbed decode (~3e-3 per layer, K3_MATH.md §8). On random weights a top-2-of-8 MoE
+#   router then flips a near-tied expert now and then, which moves that row's logits by
+#   O(1); so the stock comparison is statistical: median error and greedy agreement.
+HAND_OFF_TOL = 1e-2
+STOCK_MEDIAN_TOL = 3e-2
+STOCK_AGREEMENT = 0.85
 
 
 def _tokens(n, seed=1, vocab=260):
@@ -25,28 +37,36 @@ def model():
     return mini_model(seed=0)
 
 
-def test_token_by_token_decode_matches_prefill(model):
-    seq = _tokens(40)
-    (full,), _ = run_steps(model, [seq], [])
-    outs, _ = run_steps(model, [seq[:24]], [[[t]] for t in seq[24:]])
-    assert rel_err(outs[0][-1], full[23]) < 1e-6  # the prefill rows themselves
-    for j, logits in enumerate(outs[1:]):
-        e = rel_err(logits[0], full[24 + j])
-        assert e < PREFILL_DECODE_TOL, f"position {24 + j}: rel err {e:.3g}"
-    agree = sum(int(l[0].argmax() == full[24 + j].argmax()) for j, l in enumerate(outs[1:]))
-    assert agree >= len(outs[1:]) - 1
+@pytest.fixture(scope="module")
+def absorbed():
+    return mini_model(seed=0, decode_forms_in_prefill=True)
 
 
-def test_full_context_decode_matches_prefill(model):
-    """Decode runs to the last position of the context (several MLA cache blocks) without
-    truncation, matches a prefill of the whole sequence, and one token more is refused."""
-    max_len = 150  # > 2 cache blocks of 64
-    seq = _tokens(max_len, seed=2)
+def _compare(model, seq, split, max_len=256):
     (full,), _ = run_steps(model, [seq], [], max_len=max_len)
-    outs, state = run_steps(model, [seq[:100]], [[[t]] for t in seq[100:]], max_len=max_len)
+    outs, state = run_steps(model, [seq[:split]], [[[t]] for t in seq[split:]], max_len=max_len)
+    assert torch.equal(outs[0][-1], full[split - 1])  # the shorter prefill's own rows
+    errs = [rel_err(l[0], full[split + j]) for j, l in enumerate(outs[1:])]
+    agree = sum(int(l[0].argmax() == full[split + j].argmax()) for j, l in enumerate(outs[1:]))
+    return errs, agree / len(errs), state
+
+
+def test_token_by_token_decode_matches_prefill(absorbed, model):
+    errs, agree, _ = _compare(absorbed, _tokens(40), 24)
+    assert max(errs) < HAND_OFF_TOL, errs
+    errs, agree, _ = _compare(model, _tokens(64), 16)
+    assert sorted(errs)[len(errs) // 2] < STOCK_MEDIAN_TOL and agree >= STOCK_AGREEMENT, (errs, agree)
+
+
+def test_full_context_decode_matches_prefill():
+    """Decode runs to the last position of the context (several MLA cache blocks) without
+    truncation, matches a prefill of the whole sequence, and one token more is refused.
+    Dense MLPs: over 50 steps a near-tied router would flip somewhere (see above)."""
+    model = mini_model(seed=0, decode_forms_in_prefill=True, first_k_dense_replace=6)
+    max_len = 150  # > 2 cache blocks of 64
+    errs, _, state = _compare(model, _tokens(max_len, seed=2), 100, max_len=max_len)
     assert state.seq_lens[0] == max_len
-    worst = max(rel_err(l[0], full[100 + j]) for j, l in enumerate(outs[1:]))
-    assert worst < PREFILL_DECODE_TOL, worst
+    assert max(errs) < HAND_OFF_TOL, max(errs)
     with pytest.raises(StateError, match="exceed max_len"):
         state.segment(0, 0, 1, prefill=False)
 
@@ -96,19 +116,40 @@ def test_batch_of_different_lengths_equals_separate_runs(model):
         assert rel_err(both[s][1], alone_b[s][0]) < 1e-2
 
 
-def test_tp4_shards_sum_to_tp1(model):
+def test_tp4_shards_sum_to_tp1():
+    """All four ranks of a TP4 group, as threads meeting in `ThreadGroup` collectives, give
+    identical full-vocab logits that match TP1. The ranks sum bf16 partials where TP1
+    rounds one GEMM (~3e-3 per layer), a continuous difference, so the model-level check
+    uses dense MLPs; with top-k routing such differences flip near-tied experts and the
+    sequence diverges (MoE TP4 == TP1 is checked per layer in test_moe_reference)."""
+    kw = {"first_k_dense_replace": 6}
     prompt = _tokens(12, seed=12)
-    steps = [[_tokens(1, seed=50 + s)] for s in range(3)]
-    ref, _ = run_steps(model, [prompt], steps)
+    steps = [[_tokens(1, seed=50 + s)] for s in range(6)]
+    ref, _ = run_steps(mini_model(seed=0, **kw), [prompt], steps)
 
     def rank(coll):
-        m = mini_model(seed=0, tp=4, rank=coll.rank, coll=coll)
+        m = mini_model(seed=0, tp=4, rank=coll.rank, coll=coll, **kw)
         return run_steps(m, [prompt], steps)[0]
 
     per_rank = ThreadGroup.run(4, rank)
-    for r in range(1, 4):  # every rank ends with the same full-vocab logits
-        for a, b in zip(per_rank[0], per_rank[r]):
-            assert torch.equal(a, b)
-    for a, b in zip(per_rank[0], ref):
-        # TP sums partials in a different order than TP1's single GEMM: bf16-level differences
-        assert rel_err(a, b) < 2e-2
+    for r in range(1, 4):
+        assert all(torch.equal(a, b) for a, b in zip(per_rank[0], per_rank[r]))
+    rows = [(a[i], b[i]) for a, b in zip(per_rank[0], ref) for i in range(a.shape[0])]
+    errs = sorted(rel_err(a, b) for a, b in rows)
+    assert errs[len(errs) // 2] < 3e-2 and errs[-1] < 8e-2, errs
+    assert sum(int(a.argmax() == b.argmax()) for a, b in rows) >= len(rows) - 1
+
+
+def test_tp4_with_moe_ranks_agree_and_track_tp1():
+    """The full mini model (MoE layers included) at TP4: every rank takes the same routing
+    and produces identical logits; against TP1 the prompt's first rows (before any routing
+    flip can propagate through attention) agree at bf16 level."""
+    prompt = _tokens(8, seed=13)
+    (ref,), _ = run_steps(mini_model(seed=0), [prompt], [])
+
+    def rank(coll):
+        return run_steps(mini_model(seed=0, tp=4, rank=coll.rank, coll=coll), [prompt], [])[0][0]
+
+    per_rank = ThreadGroup.run(4, rank)
+    assert all(torch.equal(per_rank[0], p) for p in per_rank[1:])
+    assert rel_err(per_rank[0][0], ref[0]) < 2e-2
