@@ -6,7 +6,9 @@ A `TensorSource` yields full checkpoint tensors by name, or row/column slices of
 so every rank of a TP group slices the same full tensor. `load_rank` turns a source into
 one rank's `ModelWeights` in vLLM's stock layout (fused in_proj_qkvgfab, fused
 q_a/kv_a/g, merged gate/up, routed experts split on the intermediate dim and zero-padded
-to `min_moe_intermediate_per_partition`).
+to `min_moe_intermediate_per_partition`). Routed experts may be stored as bf16 `.weight`
+or, like the real checkpoint, as MXFP4 `.weight_packed` + `.weight_scale`; the reference
+path dequantizes them to bf16 on load (exactly: every MXFP4 value is a bf16 value).
 """
 
 from __future__ import annotations
@@ -210,6 +212,25 @@ def _slice(t: torch.Tensor, rows: Slice, cols: Slice) -> torch.Tensor:
     return t
 
 
+# FP4 E2M1 magnitudes by code (bit 3 is the sign)
+_FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+MXFP4_GROUP = 32
+
+
+def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """MXFP4 → bf16: W[o, i] = fp4(nibble of packed[o, i // 2]) · 2^(scale[o, i // 32] − 127).
+
+    Two values per byte along the input dim, the even index in the low nibble (the
+    compressed-tensors convention; K3_MATH.md §7 marks the nibble order unverified).
+    Every result is exact in bf16 (≤ 2 significant bits times a power of two).
+    """
+    table = torch.tensor(_FP4_VALUES + tuple(-v for v in _FP4_VALUES), dtype=torch.float32)
+    p = packed.to(torch.int64)
+    codes = torch.stack([p & 0xF, p >> 4], dim=-1).reshape(p.shape[0], -1)
+    exp = scale.to(torch.int64).repeat_interleave(MXFP4_GROUP, dim=1) - 127
+    return (table[codes] * torch.exp2(exp.to(torch.float32))).to(BF16)
+
+
 class _Reader:
     """Checks each tensor against the config's expected shape before slicing it."""
 
@@ -226,6 +247,27 @@ class _Reader:
             raise WeightError(f"tensor {name} has shape {list(found)}, expected {list(want)}")
         t = self.src.get(name, rows, cols)
         return t.to(device=self.device, dtype=dtype or default_dtype).contiguous()
+
+    def expert(self, name: str, rows: Slice = None, cols: Slice = None) -> torch.Tensor:
+        """A routed-expert matrix stored as bf16 `.weight` or as MXFP4 `.weight_packed` + `.weight_scale`."""
+        stem = name.removesuffix(".weight")
+        if self.src.shape(name) is not None or self.src.shape(stem + ".weight_packed") is None:
+            return self(name, rows, cols)
+        (o, i), _ = self.expected[name]
+        for suffix, want in ((".weight_packed", (o, i // 2)), (".weight_scale", (o, i // MXFP4_GROUP))):
+            found = self.src.shape(stem + suffix)
+            if found is None:
+                raise WeightError(f"missing tensor {stem + suffix} (expected shape {list(want)}; "
+                                  f"MXFP4 experts need both .weight_packed and .weight_scale)")
+            if tuple(found) != want:
+                raise WeightError(f"tensor {stem + suffix} has shape {list(found)}, expected {list(want)}")
+        if cols and (cols[0] % MXFP4_GROUP or cols[1] % MXFP4_GROUP):
+            raise WeightError(f"{name}: TP column slice {cols} does not align with MXFP4 groups of "
+                              f"{MXFP4_GROUP}; choose a TP size whose per-rank width is a multiple of 32")
+        pc = (cols[0] // 2, cols[1] // 2) if cols else None
+        sc = (cols[0] // MXFP4_GROUP, cols[1] // MXFP4_GROUP) if cols else None
+        w = dequant_mxfp4(self.src.get(stem + ".weight_packed", rows, pc), self.src.get(stem + ".weight_scale", rows, sc))
+        return w.to(self.device).contiguous()
 
 
 def _accepted_alias(name: str, found: Iterable[int], want: tuple[int, ...]) -> bool:
@@ -322,10 +364,10 @@ def _load_moe(rd: _Reader, cfg: K3TextConfig, s: ShardShapes, b: str) -> MoEWeig
 
     w13, w2 = [], []
     for e in range(cfg.num_experts):
-        gate = padded_rows(rd(f"{b}experts.{e}.w1.weight", rows=r))
-        up = padded_rows(rd(f"{b}experts.{e}.w3.weight", rows=r))
+        gate = padded_rows(rd.expert(f"{b}experts.{e}.w1.weight", rows=r))
+        up = padded_rows(rd.expert(f"{b}experts.{e}.w3.weight", rows=r))
         w13.append(torch.cat([gate, up]))
-        down = rd(f"{b}experts.{e}.w2.weight", cols=r)
+        down = rd.expert(f"{b}experts.{e}.w2.weight", cols=r)
         w2.append(torch.cat([down, down.new_zeros(down.shape[0], pad)], dim=1) if pad else down)
     sr = _heads(s, s.shared_inter)
     return MoEWeights(

@@ -109,3 +109,15 @@ def test_request_validation(model):
         eng.generate([Request([1] * 10, SamplingParams(max_tokens=10))])
     with pytest.raises(ValueError, match="at least one prompt token"):
         eng.generate([Request([])])
+
+
+def test_auto_is_identical_to_no_backend(model):
+    """decode_backend=auto (or unset) must leave the harness exactly as without the backend."""
+    p = SamplingParams(temperature=0.8, seed=11, max_tokens=8)
+    reqs = [Request(TOK.encode("same"), p)]
+    bare = Engine(model, max_requests=1, max_len=64)
+    got = bare.generate(reqs)
+    auto, d, _ = _run(model, "auto", reqs)
+    assert got[0].output_ids == auto[0].output_ids
+    assert not d.enabled and d.counters.as_dict()["steps"]["specialized"] == 0
+    assert bare.stats.paths == {"standard": 8}

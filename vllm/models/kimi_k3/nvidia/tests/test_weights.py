@@ -111,3 +111,41 @@ def test_expected_shapes_cover_the_k3_checkpoint():
     assert shapes["language_model.model.layers.3.self_attn.kv_b_proj.weight"][0] == (24576, 512)
     assert shapes["language_model.model.layers.5.block_sparse_moe.experts.895.w2.weight"][0] == (3584, 3072)
     assert "language_model.model.layers.0.mlp.gate_proj.weight" in shapes
+
+
+def _fp4(code):  # E2M1 by hand: sign, 2 exponent bits (bias 1), 1 mantissa bit
+    sign = -1.0 if code & 8 else 1.0
+    e, m = (code >> 1) & 3, code & 1
+    return sign * (m * 0.5 if e == 0 else (1 + m / 2) * 2.0 ** (e - 1))
+
+
+def test_mxfp4_dequant_by_hand():
+    from vllm.models.kimi_k3.nvidia.latency_specialized.weights import dequant_mxfp4
+    packed = torch.tensor([[0x21] + [0xF8] * 15], dtype=torch.uint8)  # 32 values in one group
+    out = dequant_mxfp4(packed, torch.tensor([[128]], dtype=torch.uint8))
+    assert out[0, :4].tolist() == [1.0, 2.0, -0.0, -12.0]  # 0.5·2, 1·2, -0·2, -6·2
+    assert [_fp4(c) for c in range(8)] == [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+
+
+def test_mxfp4_experts_load_like_their_bf16_values(ckpt, tmp_path):
+    t = load_file(str(ckpt / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    for name in [n for n in t if ".experts." in n]:
+        o, i = t[name].shape
+        codes = torch.randint(0, 16, (o, i), generator=g)
+        scale = torch.randint(120, 130, (o, i // 32), generator=g)
+        t[name.replace(".weight", ".weight_packed")] = (codes[:, 0::2] | (codes[:, 1::2] << 4)).to(torch.uint8)
+        t[name.replace(".weight", ".weight_scale")] = scale.to(torch.uint8)
+        vals = torch.tensor([[_fp4(int(c)) for c in row] for row in codes])
+        t[name] = (vals * 2.0 ** (scale.repeat_interleave(32, 1) - 127).float()).to(torch.bfloat16)
+    bf16_dir, fp4_dir = tmp_path / "bf16", tmp_path / "fp4"
+    bf16_dir.mkdir(), fp4_dir.mkdir()
+    save_file({k: v for k, v in t.items() if "weight_packed" not in k and "weight_scale" not in k},
+              str(bf16_dir / "m.safetensors"))
+    save_file({k: v for k, v in t.items() if not (".experts." in k and k.endswith(".weight"))},
+              str(fp4_dir / "m.safetensors"))
+    a = _flat(load_rank(SafetensorsSource(bf16_dir), CFG))
+    b = _flat(load_rank(SafetensorsSource(fp4_dir), CFG))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    with pytest.raises(WeightError, match="does not align with MXFP4 groups of 32"):
+        load_rank(SafetensorsSource(fp4_dir), CFG, tp=2, rank=0)
