@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from vllm.models.kimi_k3.nvidia.latency_specialized.config import preset
@@ -10,9 +12,19 @@ from vllm.models.kimi_k3.nvidia.reference.model import ReferenceModel
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """‖out − ref‖ / ‖ref‖ in fp32 (METHOD.md's metric)."""
-    out, ref = out.float(), ref.float()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+    """‖out − ref‖ / ‖ref‖ (METHOD.md's metric), computed in fp64."""
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-300))
+
+
+def rand_w(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    """A bf16 weight at a realistic scale: N(0, 1/fan_in)."""
+    return (torch.randn(*shape, generator=gen) / math.sqrt(shape[-1])).to(torch.bfloat16)
+
+
+def rand_norm(gen: torch.Generator, n: int) -> torch.Tensor:
+    """A bf16 norm weight near 1."""
+    return (1 + 0.1 * torch.randn(n, generator=gen)).to(torch.bfloat16)
 
 
 def mini_model(seed: int = 0, tp: int = 1, rank: int = 0, coll=None, decode_forms_in_prefill: bool = False,

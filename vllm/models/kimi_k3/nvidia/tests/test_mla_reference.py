@@ -16,6 +16,7 @@ import torch
 from vllm.models.kimi_k3.nvidia.latency_specialized.config import preset
 from vllm.models.kimi_k3.nvidia.reference.collective import SingleRank, ThreadGroup
 from vllm.models.kimi_k3.nvidia.reference.mla import attend_absorbed, attend_naive, mla_attention, split_kv_b
+from vllm.models.kimi_k3.nvidia.tests._util import rand_norm, rand_w, rel_err
 from vllm.models.kimi_k3.nvidia.reference.params import MLAWeights
 from vllm.models.kimi_k3.nvidia.reference.state import MLALayerState, Segment
 
@@ -26,17 +27,6 @@ D_N, D_V, HEADS = CFG.qk_nope_head_dim, CFG.v_head_dim, CFG.num_attention_heads
 ROW = R_KV + D_R
 BLOCK = 4
 
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return (out.double() - ref.double()).norm().item() / ref.double().norm().item()
-
-
-def rand_w(gen: torch.Generator, *shape: int) -> torch.Tensor:
-    return (torch.randn(*shape, generator=gen) / math.sqrt(shape[-1])).to(BF16)
-
-
-def rand_norm(gen: torch.Generator, n: int) -> torch.Tensor:
-    return (1 + 0.1 * torch.randn(n, generator=gen)).to(BF16)
 
 
 def full_mla_weights(seed: int) -> MLAWeights:

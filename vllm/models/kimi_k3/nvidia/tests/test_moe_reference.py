@@ -8,7 +8,6 @@ ranks as threads.
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import pytest
@@ -18,22 +17,12 @@ from vllm.models.kimi_k3.nvidia.latency_specialized.config import preset
 from vllm.models.kimi_k3.nvidia.reference.collective import SingleRank, ThreadGroup
 from vllm.models.kimi_k3.nvidia.reference.dense_mlp import dense_mlp
 from vllm.models.kimi_k3.nvidia.reference.moe import moe, route
+from vllm.models.kimi_k3.nvidia.tests._util import rand_norm, rand_w, rel_err
 from vllm.models.kimi_k3.nvidia.reference.params import DenseMLPWeights, MoEWeights
 
 BF16, F32 = torch.bfloat16, torch.float32
 MINI = preset("mini")
 
-
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return (out.double() - ref.double()).norm().item() / ref.double().norm().item()
-
-
-def rand_w(gen: torch.Generator, *shape: int) -> torch.Tensor:
-    return (torch.randn(*shape, generator=gen) / math.sqrt(shape[-1])).to(BF16)
-
-
-def rand_norm(gen: torch.Generator, n: int) -> torch.Tensor:
-    return (1 + 0.1 * torch.randn(n, generator=gen)).to(BF16)
 
 
 def full_moe_weights(cfg, seed: int) -> MoEWeights:
