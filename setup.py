@@ -15,7 +15,7 @@ setup(
     version="0.1.0",
     description="Opt-in latency-specialized decode backend for Kimi K3 in vLLM (CuTe DSL kernels)",
     python_requires=">=3.10",
-    packages=[MODEL] + [f"{MODEL}.{p}" for p in SUBPACKAGES],
+    packages=[MODEL] + [f"{MODEL}.{p}" for p in SUBPACKAGES] + ["tools.fast_track"],
     package_data={
         MODEL: ["SCOPE.yaml", "README.md", "evidence/*.json"],
         f"{MODEL}.latency_specialized": ["*.json"],
@@ -23,10 +23,12 @@ setup(
     },
     install_requires=["torch>=2.9", "numpy", "pyyaml", "safetensors"],
     extras_require={
-        "test": ["pytest>=8", "coverage>=7", "build", "wheel", "xgrammar"],
+        # fla-core: flash-linear-attention's naive KDA, the outside oracle of our KDA reference
+        "test": ["pytest>=8", "coverage>=7", "build", "wheel", "xgrammar", "fla-core==0.6.0", "einops"],
         "structured": ["xgrammar"],
         "gpu": ["nvidia-cutlass-dsl==4.8.1"],
         "eval": ["lm-eval"],
     },
-    entry_points={"console_scripts": [f"k3-decode={MODEL}.latency_specialized.cli:main"]},
+    entry_points={"console_scripts": [f"k3-decode={MODEL}.latency_specialized.cli:main",
+                                      "fast-track=tools.fast_track.cli:main"]},
 )
