@@ -30,6 +30,7 @@ from .state import DecodeState, Segment
 def embed(ids: torch.Tensor, table: torch.Tensor, shard: ShardShapes, vocab_size: int,
           coll: Collective) -> torch.Tensor:
     """Vocab-parallel lookup: rows outside this rank's range (or the vocab) are zero, then summed."""
+    ids = ids.to(table.device)
     local = ids - shard.vocab_start
     mine = (local >= 0) & (local < shard.vocab) & (ids >= 0) & (ids < vocab_size)
     rows = table[local.clamp(0, shard.vocab - 1)]
