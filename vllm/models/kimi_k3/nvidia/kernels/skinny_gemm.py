@@ -56,9 +56,8 @@ class Tiling:
     """How one shape is cut into warps and CTAs (all compile-time)."""
 
     row_tiles: int  # R: 16-row W tiles per warp
-    chunk_atoms: int  # A: k16 atoms per K chunk, the unit of one cp.async stage (even)
-    x_atoms: int  # k16 atoms moved from shared memory to registers per MMA step (even, divides A)
-    stages: int  # P: cp.async ring depth per warp; P - 1 chunks are in flight
+    chunk_atoms: int  # A: k16 atoms of one K chunk a warp loads at once (even)
+    x_atoms: int  # k16 atoms of x loaded per MMA step (even, divides chunk_atoms)
     warps_n: int
     warps_k: int
     splits: int  # CTAs along K
@@ -66,8 +65,8 @@ class Tiling:
     def __post_init__(self) -> None:
         if self.chunk_atoms % 2 or self.x_atoms % 2 or self.chunk_atoms % self.x_atoms:
             raise ValueError(f"{self}: chunk_atoms and x_atoms must be even, x_atoms must divide chunk_atoms")
-        if not 1 <= self.warps_n * self.warps_k <= 32 or min(self.row_tiles, self.splits) < 1 or self.stages < 2:
-            raise ValueError(f"{self}: needs 1..32 warps per CTA, row_tiles >= 1, splits >= 1, stages >= 2")
+        if not 1 <= self.warps_n * self.warps_k <= 32 or min(self.row_tiles, self.splits) < 1:
+            raise ValueError(f"{self}: needs 1..32 warps per CTA, row_tiles >= 1 and splits >= 1")
 
     @property
     def block_n(self) -> int:
@@ -80,57 +79,54 @@ class Tiling:
     def tiles_n(self, n: int) -> int:
         return -(-n // self.block_n)
 
-    def smem_bytes(self, m_atoms: int) -> int:
-        """The cp.async rings, reused for the cross-warp reduction after the main loop."""
-        warps = self.warps_n * self.warps_k
-        ring = warps * self.stages * (2 * self.row_tiles + m_atoms) * (self.chunk_atoms // 2) * 32 * 16
-        red = self.warps_k * 8 * m_atoms * (self.block_n + 4) * 4
-        return max(ring, red)
-
 
 def choose_tiling(n: int, k: int, m_atoms: int, sm_count: int) -> Tiling:
-    """A tiling that gives every SM enough warps with K chunks in flight.
+    """The tiling measured best on the H200 for each class of K3 shape (kernels/README.md).
 
-    The accumulators grow with m_atoms, so large M takes more W rows per warp (each x fragment
-    then feeds more MMAs) and a shorter chunk; K splits across CTAs until every SM has one.
+    M <= 16: one 16-row tile and 128-wide chunks per warp; larger M: two tiles per warp, so each
+    x fragment feeds twice the MMAs, and 64-wide chunks so the accumulators fit. CTAs of 8 warps,
+    2 along N × 4 along K, or 1 × 8 where N alone fills the resident CTAs and that fills their
+    last wave better; with fewer than 4 chunks, one warp per chunk along K. K splits across
+    CTAs until the resident CTAs are filled, keeping at least one chunk per warp.
     """
-    if m_atoms <= 2:
-        row_tiles, chunk_atoms, x_atoms, warps_n, warps_k = 1, 8, 4, 2, 4
-    else:
-        row_tiles, chunk_atoms, x_atoms, warps_n, warps_k = 2, 4, 2, 1, 4
+    small_m = m_atoms <= 2
+    row_tiles, chunk_atoms, x_atoms = (1, 8, 4) if small_m else (2, 4, 2)
+    if k <= 128:  # a single chunk: the wider one saves a loop trip
+        chunk_atoms = 8
+    resident = (2 if small_m else 1) * sm_count  # CTAs of 8 warps that fit at once
     chunks = -(-k // (16 * chunk_atoms))
-    warps_k = min(warps_k, chunks)
+
+    def last_wave_fill(ctas: int) -> float:
+        return ctas / (-(-ctas // resident) * resident)
+
+    warps_n, warps_k = 2, 4
+    wide, narrow = -(-n // (16 * row_tiles)), -(-n // (32 * row_tiles))
+    if narrow >= resident and last_wave_fill(wide) > last_wave_fill(narrow) + 0.05:
+        warps_n, warps_k = 1, 8
+    if chunks < warps_k:
+        warps_n, warps_k = max(1, 8 // chunks), chunks
     tiles_n = -(-n // (16 * row_tiles * warps_n))
-    splits = 1
-    while tiles_n * splits < sm_count and chunks >= 2 * warps_k * (splits + 1):
-        splits += 1
-    return Tiling(row_tiles, chunk_atoms, x_atoms, 3, warps_n, warps_k, splits)
+    splits = max(1, min(round(resident / tiles_n), chunks // warps_k))
+    return Tiling(row_tiles, chunk_atoms, x_atoms, warps_n, warps_k, splits)
 
 
 @cute.jit
-def _issue_chunk(w_vec: cute.Tensor, x_vec: cute.Tensor, ring: cute.Tensor, unit0: Int32,
-                 w_row0: Int32, x_row0: Int32, n: Constexpr, m: Int32, col0: Int32,
-                 w_rows: Constexpr, x_rows: Constexpr, vecs: Constexpr, k: Constexpr,
-                 k_tail: Constexpr, w_atom: cute.CopyAtom, x_atom: cute.CopyAtom):
-    """cp.async one K chunk of the lane's W rows (w_row0 + 8i) and x rows (x_row0 + 8j) into its
-    ring stage: `vecs` 16-byte vectors per row from column vector col0 on. Row indices are
-    clamped into the tensors (those rows' outputs are never stored); vectors past K are zeros."""
-    for h in cutlass.range_constexpr(w_rows + x_rows):
+def _load_chunk(src_vec: cute.Tensor, dst: cute.Tensor, first_row: Int32, rows: Constexpr,
+                row_limit: Int32, col0: Int32, vecs: Constexpr, k: Constexpr, k_tail: Constexpr):
+    """`rows` rows (first_row + 8i, clamped below row_limit: those rows' outputs are never
+    stored) × `vecs` 16-byte vectors from column vector col0 on, into registers one row after the
+    other; vectors past K are zeros."""
+    for i in cutlass.range_constexpr(rows):
+        row = cutlass.min(first_row + 8 * i, row_limit - 1)
         for v in cutlass.range_constexpr(vecs):
-            dst = ring[None, unit0 + (h * vecs + v) * 32]
-            if const_expr(h < w_rows):
-                src = w_vec[(0, None), (cutlass.min(w_row0 + 8 * h, n - 1), col0 + v)]
-                atom = w_atom
-            else:
-                src = x_vec[(0, None), (cutlass.min(x_row0 + 8 * (h - w_rows), m - 1), col0 + v)]
-                atom = x_atom
+            vec = cute.make_tensor(dst.iterator + (i * vecs + v) * 8, cute.make_layout(8))
             if const_expr(k_tail):
                 if col0 + v < k // 8:
-                    cute.copy(atom, src, dst)
+                    cute.autovec_copy(src_vec[(0, None), (row, col0 + v)], vec)
                 else:
-                    dst.fill(0.0)
+                    vec.fill(0.0)
             else:
-                cute.copy(atom, src, dst)
+                cute.autovec_copy(src_vec[(0, None), (row, col0 + v)], vec)
 
 
 @cute.kernel
@@ -138,8 +134,8 @@ def _skinny_gemm_kernel(
     w_ptr: cute.Pointer, x_ptr: cute.Pointer, y_ptr: cute.Pointer, ws_ptr: cute.Pointer,
     cnt_ptr: cute.Pointer, m: Int32,
     n: Constexpr, k: Constexpr, m_atoms: Constexpr,
-    row_tiles: Constexpr, chunk_atoms: Constexpr, x_atoms: Constexpr, stages: Constexpr,
-    warps_n: Constexpr, warps_k: Constexpr, splits: Constexpr, smem_bytes: Constexpr,
+    row_tiles: Constexpr, chunk_atoms: Constexpr, x_atoms: Constexpr,
+    warps_n: Constexpr, warps_k: Constexpr, splits: Constexpr,
 ):
     tid, _, _ = cute.arch.thread_idx()
     tile, split, _ = cute.arch.block_idx()
@@ -151,10 +147,9 @@ def _skinny_gemm_kernel(
     c = lane % 4  # which 4·A-element block of each chunk row the lane owns
     threads = 32 * warps_n * warps_k
     block_n = 16 * row_tiles * warps_n
-    w_rows = 2 * row_tiles  # W rows of a lane: g and g+8 of each of its tiles
-    vecs = chunk_atoms // 2  # 16-byte vectors per row and chunk (4·A elements)
-    stage_units = (w_rows + m_atoms) * vecs * 32
-    x_elems = 4 * x_atoms  # per row and MMA step
+    w_rows = 2 * row_tiles  # W rows of a lane: g and g+8 of each of its tiles, 8 apart
+    lane_elems = 4 * chunk_atoms  # per W row and chunk, contiguous in memory
+    x_elems = 4 * x_atoms  # per token row and MMA step
     chunk_k = 16 * chunk_atoms
     k_tail = k % chunk_k != 0
     n_chunks = (k + chunk_k - 1) // chunk_k
@@ -163,70 +158,50 @@ def _skinny_gemm_kernel(
     # 16-byte vectors along K: ((1, 8), (rows, K / 8))
     w_vec = cute.zipped_divide(cute.make_tensor(w_ptr, cute.make_layout((n, k), stride=(k, 1))), (1, 8))
     x_vec = cute.zipped_divide(cute.make_tensor(x_ptr, cute.make_layout((m, k), stride=(k, 1))), (1, 8))
-    # W streams through (L2 only); x is re-read by every warp of its K range (keep it in L1)
-    w_atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
-                                 BFloat16, num_bits_per_copy=128)
-    x_atom = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(), BFloat16, num_bits_per_copy=128)
-
-    # one ring per warp, in 16-byte units with the lane index fastest (no bank conflicts); every
-    # lane reads back only what it copied itself, so the ring needs no barrier
-    smem = cutlass.utils.SmemAllocator()
-    raw = smem.allocate(smem_bytes, byte_alignment=128)
-    ring = cute.make_tensor(cute.recast_ptr(raw, dtype=BFloat16), cute.make_layout((8, smem_bytes // 16)))
-    ring0 = warp * stages * stage_units + lane
 
     w_row0 = tile * block_n + wn * 16 * row_tiles + g
     c_begin = split * per_split
     c_end = cutlass.min(c_begin + per_split, n_chunks)
     my_chunks = (c_end - c_begin - wk + warps_k - 1) // warps_k
 
-    w_step = cute.make_rmem_tensor(cute.make_layout((x_elems, w_rows)), BFloat16)
-    x_step = cute.make_rmem_tensor(cute.make_layout((x_elems, m_atoms)), BFloat16)
+    w_next = cute.make_rmem_tensor(cute.make_layout((lane_elems, w_rows)), BFloat16)
+    w_cur = cute.make_rmem_tensor(cute.make_layout((lane_elems, w_rows)), BFloat16)
+    x_frag = cute.make_rmem_tensor(cute.make_layout((x_elems, m_atoms)), BFloat16)
     acc = cute.make_rmem_tensor(cute.make_layout(((2, 2), row_tiles, m_atoms)), Float32)
     acc.fill(0.0)
     mma = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
 
-    for p in cutlass.range_constexpr(stages - 1):
-        if p < my_chunks:
-            _issue_chunk(w_vec, x_vec, ring, ring0 + p * stage_units, w_row0, g, n, m,
-                         (c_begin + wk + p * warps_k) * (chunk_k // 8) + c * vecs,
-                         w_rows, m_atoms, vecs, k, k_tail, w_atom, x_atom)
-        cute.arch.cp_async_commit_group()
+    if my_chunks > 0:
+        _load_chunk(w_vec, w_next, w_row0, w_rows, n,
+                    (c_begin + wk) * (chunk_k // 8) + c * (lane_elems // 8), lane_elems // 8, k, k_tail)
     for it in cutlass.range(my_chunks):
-        cute.arch.cp_async_wait_group(stages - 2)
-        # refill the stage the previous iteration consumed (its registers are used up)
-        if it + stages - 1 < my_chunks:
-            _issue_chunk(w_vec, x_vec, ring, ring0 + ((it + stages - 1) % stages) * stage_units, w_row0, g,
-                         n, m, (c_begin + wk + (it + stages - 1) * warps_k) * (chunk_k // 8) + c * vecs,
-                         w_rows, m_atoms, vecs, k, k_tail, w_atom, x_atom)
-        cute.arch.cp_async_commit_group()
-        stage0 = ring0 + (it % stages) * stage_units
+        chunk = c_begin + wk + it * warps_k
+        # chunk i+1 is in flight while chunk i is multiplied
+        w_cur.store(w_next.load())
+        if it + 1 < my_chunks:
+            _load_chunk(w_vec, w_next, w_row0, w_rows, n,
+                        (chunk + warps_k) * (chunk_k // 8) + c * (lane_elems // 8), lane_elems // 8, k, k_tail)
         for s in cutlass.range_constexpr(chunk_atoms // x_atoms):
-            for h in cutlass.range_constexpr(w_rows + m_atoms):
-                for v in cutlass.range_constexpr(x_atoms // 2):
-                    src = ring[None, stage0 + (h * vecs + s * (x_atoms // 2) + v) * 32]
-                    if const_expr(h < w_rows):
-                        cute.autovec_copy(src, cute.make_tensor(w_step.iterator + h * x_elems + 8 * v,
-                                                                cute.make_layout(8)))
-                    else:
-                        cute.autovec_copy(src, cute.make_tensor(x_step.iterator + (h - w_rows) * x_elems + 8 * v,
-                                                                cute.make_layout(8)))
+            _load_chunk(x_vec, x_frag, g, m_atoms, m,
+                        chunk * (chunk_k // 8) + c * (lane_elems // 8) + s * (x_elems // 8),
+                        x_elems // 8, k, k_tail)
             # fragment views in mma.sync value order over the permuted K (module docstring)
             a = cute.make_tensor(
-                w_step.iterator,
-                cute.make_layout(((2, 2, 2), row_tiles, x_atoms), stride=((1, x_elems, 2), 2 * x_elems, 4)))
+                w_cur.iterator + s * x_elems,
+                cute.make_layout(((2, 2, 2), row_tiles, x_atoms),
+                                 stride=((1, lane_elems, 2), 2 * lane_elems, 4)))
             b = cute.make_tensor(
-                x_step.iterator,
+                x_frag.iterator,
                 cute.make_layout(((2, 2), m_atoms, x_atoms), stride=((1, 2), x_elems, 4)))
             cute.gemm(mma, acc, a, b, acc)
 
-    # the warps_k partial sums meet in shared memory (over the rings, once all warps are done);
-    # the pitch pad spreads a warp's stores over the banks
-    cute.arch.sync_threads()
+    # the warps_k partial sums meet in shared memory; the pitch pad spreads a warp's stores
+    # over the banks
+    smem = cutlass.memory.SmemAllocator()
     pitch = block_n + 4
-    red = cute.make_tensor(
-        cute.recast_ptr(raw, dtype=Float32),
-        cute.make_layout((warps_k, 8 * m_atoms, block_n), stride=(8 * m_atoms * pitch, pitch, 1)))
+    red = smem.allocate_tensor(
+        Float32, cute.make_layout((warps_k, 8 * m_atoms, block_n), stride=(8 * m_atoms * pitch, pitch, 1)),
+        byte_alignment=16)
     is_last = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
     for r in cutlass.range_constexpr(row_tiles):
         for j in cutlass.range_constexpr(m_atoms):
@@ -277,13 +252,13 @@ def _skinny_gemm_host(
     w_ptr: cute.Pointer, x_ptr: cute.Pointer, y_ptr: cute.Pointer, ws_ptr: cute.Pointer,
     cnt_ptr: cute.Pointer, m: Int32, stream: cuda.CUstream,
     n: Constexpr, k: Constexpr, m_atoms: Constexpr,
-    row_tiles: Constexpr, chunk_atoms: Constexpr, x_atoms: Constexpr, stages: Constexpr,
-    warps_n: Constexpr, warps_k: Constexpr, splits: Constexpr, smem_bytes: Constexpr,
+    row_tiles: Constexpr, chunk_atoms: Constexpr, x_atoms: Constexpr,
+    warps_n: Constexpr, warps_k: Constexpr, splits: Constexpr,
 ):
     block_n = 16 * row_tiles * warps_n
     _skinny_gemm_kernel(
         w_ptr, x_ptr, y_ptr, ws_ptr, cnt_ptr, m, n, k, m_atoms,
-        row_tiles, chunk_atoms, x_atoms, stages, warps_n, warps_k, splits, smem_bytes,
+        row_tiles, chunk_atoms, x_atoms, warps_n, warps_k, splits,
     ).launch(
         grid=((n + block_n - 1) // block_n, splits, 1),
         block=(32 * warps_n * warps_k, 1, 1),
@@ -296,15 +271,18 @@ def _ptr(dtype: Any, address: int, align: int = 16) -> cute.Pointer:
 
 
 def compile_skinny_gemm(n: int, k: int, m_atoms: int, out_dtype: torch.dtype, tiling: Tiling,
-                        arch: str) -> Any:
-    """Compile for one static shape and arch ('sm_90a', 'sm_100a', ...); needs no GPU."""
+                        arch: str, keep_ptx: bool = False) -> Any:
+    """Compile for one static shape and arch ('sm_90a', 'sm_100a', ...); needs no GPU.
+
+    keep_ptx keeps the PTX in the result's `artifacts.PTX` (and writes it to the working dir).
+    """
     return cute.compile(
         _skinny_gemm_host,
         _ptr(BFloat16, 16), _ptr(BFloat16, 16), _ptr(_OUT_DTYPES[out_dtype], 16), _ptr(Float32, 16),
         _ptr(Int32, 16, 4), Int32(1), cute.runtime.make_fake_stream(),
-        n, k, m_atoms, tiling.row_tiles, tiling.chunk_atoms, tiling.x_atoms, tiling.stages,
-        tiling.warps_n, tiling.warps_k, tiling.splits, tiling.smem_bytes(m_atoms),
-        options=f"--gpu-arch {arch}",
+        n, k, m_atoms, tiling.row_tiles, tiling.chunk_atoms, tiling.x_atoms,
+        tiling.warps_n, tiling.warps_k, tiling.splits,
+        options=f"--gpu-arch {arch}" + (" --keep-ptx" if keep_ptx else ""),
     )
 
 
