@@ -1,6 +1,7 @@
 """`k3-decode`: generate text with the K3 decoder, and show the backend's scope verdict.
 
     k3-decode generate --config mini --prompt "Hello" --max-tokens 32 [--temperature T]
+    torchrun --nproc-per-node 4 -m vllm.models.kimi_k3.nvidia.latency_specialized generate --tp 4 ...
     k3-decode scope [--gpu GB300 --tp 16 --max-model-len 262144 --spec dspark:7]
 """
 
@@ -16,6 +17,7 @@ import torch
 
 from . import scope_cli
 from .config import ConfigError, preset
+from .distributed import add_tp_arguments, tp_generate
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -35,6 +37,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--additional-config", default="{}",
                    help='vLLM-style JSON, e.g. \'{"decode_backend": "latency_specialized"}\'')
     g.add_argument("--stats", action="store_true", help="print the path counters after the run")
+    add_tp_arguments(g)
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -63,27 +66,37 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"error: config {cfg.name} has vocab_size {cfg.vocab_size} < {tok.vocab_size} "
               "needed by the byte tokenizer", file=sys.stderr)
         return 2
-    t0 = time.perf_counter()
-    source = SafetensorsSource(args.weights) if args.weights else RandomSource(cfg, seed=args.seed)
-    weights = load_rank(source, cfg, device=args.device)
-    model = ReferenceModel(cfg, weights)
-    load_s = time.perf_counter() - t0
     prompts = [tok.encode(p) for p in args.prompt]
     max_len = max(len(p) for p in prompts) + args.max_tokens
-    deployment = Deployment.detect(tp=1, max_model_len=max_len, expert_dtype="bfloat16")
-    dispatcher = Dispatcher(options, deployment)
-    engine = Engine(model, dispatcher=dispatcher, max_requests=len(prompts), max_len=max_len)
     params = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
                             seed=args.seed, max_tokens=args.max_tokens, stop_token_ids=(tok.EOS,))
-    done = engine.generate([Request(p, params) for p in prompts])
+    requests = [Request(p, params) for p in prompts]
+    t0 = time.perf_counter()
+    source = SafetensorsSource(args.weights) if args.weights else RandomSource(cfg, seed=args.seed)
+    tp_note = ""
+    if args.tp > 1:
+        run = tp_generate(cfg, source, requests, tp=args.tp, options=options, max_len=max_len,
+                          device=args.device)
+        if run.rank != 0:
+            return 0
+        done, s, dispatcher, load_s = run.completions, run.stats, run.dispatcher, run.load_s
+        tp_note = f"; {run.agreement}"
+    else:
+        weights = load_rank(source, cfg, device=args.device)
+        model = ReferenceModel(cfg, weights)
+        load_s = time.perf_counter() - t0
+        deployment = Deployment.detect(tp=1, max_model_len=max_len, expert_dtype="bfloat16")
+        dispatcher = Dispatcher(options, deployment)
+        engine = Engine(model, dispatcher=dispatcher, max_requests=len(prompts), max_len=max_len)
+        done = engine.generate(requests)
+        s = engine.stats
     for prompt, c in zip(args.prompt, done):
         print(f"{prompt!r} -> {tok.decode(c.output_ids)!r}")
-    s = engine.stats
     paths = ", ".join(f"{k} {v}" for k, v in sorted(s.paths.items()))
     print(f"[k3-decode] config {cfg.name}, {len(done)} request(s): {s.tokens} tokens in {s.seconds:.2f} s "
           f"({s.tokens_per_s:.1f} tokens/s; weights {load_s:.2f} s); steps: {s.prefill_steps} prefill + "
           f"{s.decode_steps} decode; served by: {paths}; backend {options.decode_backend}: "
-          f"{dispatcher.counters.summary()}")
+          f"{dispatcher.counters.summary()}{tp_note}")
     if args.stats:
         print(dispatcher.counters.table())
     return 0

@@ -2,7 +2,7 @@
 residual stream (K3_MATH.md §3.2).
 
     c      = γ ⊙ w                                 (fp32 product of two bf16 weights)
-    ℓ_s    = (v_s · c) / RMS_ε(v_s)                (fp32, one logit per source)
+    ℓ_s    = (v_s · c) / RMS_ε(v_s)                (fp32, fp64 on CPU; one logit per source)
     p      = softmax(ℓ)                            (fp32)
     mix    = Σ_s p_s v_s                           (fp32, raw sources as values)
     out    = bf16(mix / RMS_ε'(mix) ⊙ g)  or  bf16(mix)   (final call: no norm)
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops import BF16, F32, bf16_add
+from .ops import BF16, F32, acc_dtype, bf16_add
 
 
 def attn_res_mix(sources: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torch.Tensor,
@@ -25,11 +25,12 @@ def attn_res_mix(sources: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torc
     """Mix `sources` (each [N, H] bf16) into one [N, H] bf16 tensor."""
     if len(sources) == 1 and out_w is None:
         return sources[0]
-    v = torch.stack([s.to(F32) for s in sources])  # [S, N, H]
+    acc = acc_dtype(sources[0])  # fp64 on CPU: the oracle's sums must not depend on threads
+    v = torch.stack([s.to(acc) for s in sources])  # [S, N, H]
     if len(sources) == 1:
         mix = v[0]
     else:
-        c = norm_w.to(F32) * proj_w.to(F32)
+        c = (norm_w.to(F32) * proj_w.to(F32)).to(acc)
         rms = torch.sqrt(v.pow(2).mean(-1) + eps)  # [S, N]
         logits = (v @ c) / rms
         p = torch.softmax(logits, dim=0)
@@ -37,7 +38,7 @@ def attn_res_mix(sources: list[torch.Tensor], norm_w: torch.Tensor, proj_w: torc
     if out_w is None:
         return mix.to(BF16)
     rrms = torch.rsqrt(mix.pow(2).mean(-1, keepdim=True) + (eps if out_eps is None else out_eps))
-    return (mix * rrms * out_w.to(F32)).to(BF16)
+    return (mix * rrms * out_w.to(acc)).to(BF16)
 
 
 class AttnResStream:

@@ -34,10 +34,10 @@ def acc_dtype(t: torch.Tensor) -> torch.dtype:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / RMS_eps(x) ⊙ weight in fp32, one rounding to bf16 (the fused-kernel form)."""
-    xf = x.to(F32)
+    """x / RMS_eps(x) ⊙ weight in fp32 (fp64 on CPU), one rounding to bf16 (the fused-kernel form)."""
+    xf = x.to(acc_dtype(x))
     rrms = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * rrms * weight.to(F32)).to(BF16)
+    return (xf * rrms * weight.to(xf.dtype)).to(BF16)
 
 
 def situ_and_mul(gate: torch.Tensor, up: torch.Tensor, beta: float | None,

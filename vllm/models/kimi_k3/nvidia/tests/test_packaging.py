@@ -36,5 +36,6 @@ def test_wheel_is_a_pure_overlay(tmp_path):
     for needed in ("SCOPE.yaml", "latency_specialized", "reference", "kernels", "tests"):
         assert needed in top, f"{needed} missing from the wheel"
     assert f"{prefix}latency_specialized/cli.py" in names
-    assert all(n.startswith(("vllm/models/kimi_k3/nvidia/", "kimi_k3_latency_specialized-")) for n in names), \
+    assert all(n.startswith(("vllm/models/kimi_k3/nvidia/", "tools/fast_track/", "kimi_k3_latency_specialized-"))
+               for n in names), \
         [n for n in names if not n.startswith(prefix)][:5]

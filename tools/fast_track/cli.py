@@ -1,0 +1,101 @@
+"""`fast-track`: the console script.
+
+    fast-track check [--base REF] [--model DIR] [--report FILE]
+    fast-track render-evidence [--model DIR] --out FILE
+    fast-track record-coverage --coverage FILE --out FILE --command CMD [--model DIR]
+    fast-track record-sanitizer --out FILE --source PATH [--source ...] [--tool T ...] -- CMD...
+
+`check` prints the markdown review and writes it to --report too (e.g.
+$GITHUB_STEP_SUMMARY); exit 0 only when every automatic item holds, 1 when one does not,
+2 when the inputs are wrong (not a git checkout, a base that does not resolve, no model
+folder). Run from anywhere inside the checkout under review.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from .coverage_record import write_coverage_record
+from .evidence_report import render
+from .gitrepo import GitError, repo_root
+from .model import ModelError, discover
+from .report import render_report
+from .review import run_review
+from .sanitizer_record import DEFAULT_TOOLS, record_sanitizer
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="fast-track", description=__doc__.split("\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    check = commands.add_parser("check", help="review the change against docs/fast_track/CHECKLIST.md")
+    check.add_argument("--base", help="what the change is compared with (branch, tag, sha; the "
+                                      "merge-base with HEAD is used); default: git's empty tree, "
+                                      "i.e. the whole repository is the change")
+    check.add_argument("--model", help="the model folder (default: every vllm/models/*/*/SCOPE.yaml)")
+    check.add_argument("--report", type=Path, help="also write the markdown report to this file")
+    render_cmd = commands.add_parser("render-evidence", help="render evidence JSON as markdown tables")
+    render_cmd.add_argument("--model", help="the model folder (default: the only one discovered)")
+    render_cmd.add_argument("--out", type=Path, required=True, help="markdown file to write")
+    record = commands.add_parser("record-coverage",
+                                 help="turn a `coverage json` report of a GPU run into an evidence record")
+    record.add_argument("--model", help="the model folder (default: the only one discovered)")
+    record.add_argument("--coverage", type=Path, required=True, help="output of `coverage json`")
+    record.add_argument("--out", type=Path, required=True, help="evidence JSON file to write")
+    record.add_argument("--command", required=True, help="the command that produced the coverage")
+    sanitize = commands.add_parser("record-sanitizer",
+                                   help="run a command under compute-sanitizer and record the outcome")
+    sanitize.add_argument("--out", type=Path, required=True, help="evidence JSON file to write")
+    sanitize.add_argument("--source", action="append", required=True, dest="sources",
+                          help="repository-relative kernel file the command exercises (repeat)")
+    sanitize.add_argument("--tool", action="append", dest="tools",
+                          help=f"compute-sanitizer tool (repeat; default: {', '.join(DEFAULT_TOOLS)})")
+    sanitize.add_argument("run", nargs=argparse.REMAINDER, help="-- then the command to run")
+    return parser
+
+
+def _one_model(root: Path, model: str | None):
+    models = discover(root, model)
+    if len(models) > 1:
+        raise ModelError(f"several model folders ({', '.join(m.rel for m in models)}); pass --model")
+    return models[0]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        root = repo_root(Path.cwd())
+        if args.command == "check":
+            review = run_review(root, args.base, args.model)
+            text = render_report(review)
+            sys.stdout.write(text)
+            if args.report is not None:
+                args.report.parent.mkdir(parents=True, exist_ok=True)
+                args.report.write_text(text)
+            return 0 if review.passed else 1
+        if args.command == "record-sanitizer":
+            command = args.run[1:] if args.run[:1] == ["--"] else args.run
+            record = record_sanitizer(root, args.out.resolve(), args.sources,
+                                      args.tools or list(DEFAULT_TOOLS), command)
+            verdicts = ", ".join(f"{r['name']} {r['status']}" for r in record["results"])
+            print(f"wrote {args.out}: {verdicts}")
+            return 0 if all(r["status"] == "pass" for r in record["results"]) else 1
+        model = _one_model(root, args.model)
+        out = args.out.resolve()
+        if args.command == "render-evidence":
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(render(model, out))
+            print(f"wrote {out}")
+            return 0
+        record = write_coverage_record(model, args.coverage, out, args.command)
+        ran = sum(r["status"] == "pass" for r in record["results"])
+        print(f"wrote {out}: {ran} of {len(record['results'])} kernel file(s) executed")
+        return 0
+    except (GitError, ModelError, ValueError) as e:
+        print(f"fast-track: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Evidence records (ARCHITECTURE §7) and whether each still describes the current sources.
+
+Every `*.json` under the model's `evidence/` folder, at any depth, holds one record (a
+JSON object) or a list of them. A record names the repository-relative `sources` it
+measured and their `source_hash`:
+
+    sha256 over the sources in sorted path order, each contributing
+        its path (UTF-8) + NUL + its bytes + NUL
+
+recomputed here from the working tree. Equal: the record is fresh. Different, or a
+source gone: stale, and the checker says which files changed — exactly, when the record
+also carries `source_hashes` (path -> sha256 of that file's bytes); else from git, as
+the sources that differ from the record's `commit`; else it lists every source as a
+candidate and says it cannot tell. A record without sources or hash cannot be tied to
+code and is never fresh.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from .gitrepo import changed_since
+from .items import Finding
+from .model import ModelFolder
+
+
+def source_hash(root: Path, sources: list[str]) -> str:
+    digest = hashlib.sha256()
+    for rel in sorted(sources):
+        digest.update(rel.encode() + b"\0")
+        digest.update((root / rel).read_bytes())
+        digest.update(b"\0")
+    return digest.hexdigest()
+
+
+def file_hash(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Freshness:
+    fresh: bool
+    reason: str = ""  # why not fresh, one line
+    changed: tuple[str, ...] = ()  # sources known (or, see reason, suspected) to differ
+
+
+@dataclass
+class Record:
+    rel: str  # repository-relative path of its JSON file
+    data: dict[str, Any]
+    position: int | None = None  # index inside a file that holds a list of records
+
+    @property
+    def label(self) -> str:
+        return self.rel if self.position is None else f"{self.rel}[{self.position}]"
+
+    @property
+    def kind(self) -> str:
+        return str(self.data.get("kind", ""))
+
+    @property
+    def command(self) -> str:
+        return str(self.data.get("command") or "")
+
+    @property
+    def sources(self) -> list[str]:
+        value = self.data.get("sources")
+        return [str(s) for s in value] if isinstance(value, list) else []
+
+    @property
+    def results(self) -> list[dict[str, Any]]:
+        value = self.data.get("results")
+        return [r for r in value if isinstance(r, dict)] if isinstance(value, list) else []
+
+    @property
+    def targets(self) -> list[dict[str, Any]]:
+        value = self.data.get("targets")
+        return [t for t in value if isinstance(t, dict)] if isinstance(value, list) else []
+
+    def failed_results(self) -> list[str]:
+        return [str(r.get("name", "?")) for r in self.results if r.get("status") != "pass"]
+
+    def missed_targets(self) -> list[dict[str, Any]]:
+        return [t for t in self.targets if t.get("met") is not True]
+
+
+def _freshness(root: Path, record: Record) -> Freshness:
+    sources, recorded = record.sources, record.data.get("source_hash")
+    if not sources or not isinstance(recorded, str):
+        return Freshness(False, "names no `sources` or no `source_hash`, so it is tied to no code")
+    outside = [s for s in sources if Path(s).is_absolute() or ".." in Path(s).parts]
+    if outside:
+        return Freshness(False, f"sources must be repository-relative paths: {outside}")
+    missing = [s for s in sources if not (root / s).is_file()]
+    if missing:
+        return Freshness(False, "stale: sources no longer exist", tuple(missing))
+    if source_hash(root, sources) == recorded:
+        return Freshness(True)
+    per_file = record.data.get("source_hashes")
+    if isinstance(per_file, dict):
+        changed = [s for s in sources if per_file.get(s) != file_hash(root / s)]
+        return Freshness(False, "stale: sources changed since the run", tuple(changed))
+    changed = changed_since(root, str(record.data.get("commit", "")), sources)
+    if changed:
+        return Freshness(False, f"stale: sources changed since commit "
+                                f"{str(record.data['commit'])[:12]}", tuple(changed))
+    return Freshness(False, "stale: the sources differ from what was measured; the record has "
+                            "no per-file `source_hashes` and git cannot tell which changed, so "
+                            "every source is a candidate", tuple(sources))
+
+
+@dataclass
+class EvidenceSet:
+    """All records of one model folder, read once; freshness computed once per record."""
+
+    model: ModelFolder
+    records: list[Record] = field(default_factory=list)
+    problems: list[Finding] = field(default_factory=list)  # unreadable files, records with no kind
+
+    @classmethod
+    def load(cls, model: ModelFolder) -> "EvidenceSet":
+        found = cls(model)
+        folder = model.path / "evidence"
+        for path in sorted(folder.rglob("*.json")) if folder.is_dir() else []:
+            rel = path.relative_to(model.root).as_posix()
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+                found.problems.append(Finding(f"not readable as JSON: {e}", rel))
+                continue
+            items = data if isinstance(data, list) else [data]
+            for i, item in enumerate(items):
+                position = i if isinstance(data, list) else None
+                if isinstance(item, dict) and item.get("kind"):
+                    found.records.append(Record(rel, item, position))
+                else:
+                    found.problems.append(Finding("not an evidence record (no `kind`)", rel))
+        return found
+
+    @cached_property
+    def _fresh(self) -> dict[int, Freshness]:
+        return {id(r): _freshness(self.model.root, r) for r in self.records}
+
+    def freshness(self, record: Record) -> Freshness:
+        return self._fresh[id(record)]
+
+    def of_kind(self, *kinds: str) -> list[Record]:
+        return [r for r in self.records if r.kind in kinds]
+
+    def in_file(self, rel: str) -> list[Record]:
+        return [r for r in self.records if r.rel == rel]
+
+
+def stale_findings(evidence: EvidenceSet, record: Record) -> list[Finding]:
+    """One finding for the record and one per changed source, for a stale record."""
+    state = evidence.freshness(record)
+    if state.fresh:
+        return []
+    found = [Finding(state.reason, record.rel)]
+    found += [Finding(f"changed since {record.label} was recorded", s) for s in state.changed]
+    return found

@@ -1,0 +1,51 @@
+"""`fast-track record-sanitizer`: run a command under compute-sanitizer, once per tool, and record it.
+
+    fast-track record-sanitizer --out FILE --source K [--source K ...] [--tool racecheck ...] -- CMD...
+
+Each tool (default: racecheck and synccheck, the two that see cross-thread ordering
+bugs) runs `compute-sanitizer --tool T --error-exitcode 1 CMD...`; its result passes
+when the command exits 0 and the sanitizer reports 0 errors. The record (kind
+`sanitizer`) lists the kernel files given as `--source`, so item `sanitizer` can match
+it to the synchronising kernels and judge its freshness. CMD should drive those kernels
+hard: the GPU tests of the kernel and its stress test.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+from .records import record_head, write_json
+
+DEFAULT_TOOLS = ("racecheck", "synccheck")
+_SUMMARY = re.compile(r"ERROR SUMMARY:\s*(\d+)\s+error")
+
+
+def run_tool(tool: str, command: list[str], timeout_s: int) -> dict[str, Any]:
+    out = subprocess.run(["compute-sanitizer", "--tool", tool, "--error-exitcode", "1", *command],
+                         capture_output=True, text=True, timeout=timeout_s)
+    text = out.stdout + out.stderr
+    counts = [int(n) for n in _SUMMARY.findall(text)]
+    errors = sum(counts) if counts else None
+    status = "pass" if out.returncode == 0 and errors == 0 else "fail"
+    return {"name": tool, "status": status, "errors": errors, "exit_code": out.returncode,
+            "tail": text.strip().splitlines()[-5:]}
+
+
+def record_sanitizer(root: Path, out: Path, sources: list[str], tools: list[str],
+                     command: list[str], timeout_s: int = 3600) -> dict[str, Any]:
+    if not command:
+        raise ValueError("no command to run under compute-sanitizer: put it after `--`")
+    if shutil.which("compute-sanitizer") is None:
+        raise ValueError("compute-sanitizer is not on PATH: it ships with the CUDA toolkit "
+                         "(e.g. /usr/local/cuda/bin); add that folder to PATH")
+    shown = "compute-sanitizer --tool {" + ",".join(tools) + "} " + shlex.join(command)
+    record = record_head(root, "sanitizer", "sanitizer", shown, sources)
+    record["results"] = [run_tool(t, command, timeout_s) for t in tools]
+    record["targets"] = []
+    write_json(out, record)
+    return record

@@ -1,0 +1,103 @@
+"""Item `evidence-fresh`: validated envelopes need fresh, passing evidence from their GPU."""
+
+import hashlib
+import json
+
+from ..items import FAIL, PASS
+from .conftest import KERNEL, MODEL, review_items, sha256_of_sources
+
+PARITY = f"{MODEL}/evidence/h200/parity.json"
+
+
+def _edit_kernel(repo):
+    path = repo.root / KERNEL
+    path.write_text(path.read_text() + "\n# a later edit\n")
+
+
+def _load(repo, rel):
+    return json.loads((repo.root / rel).read_text())
+
+
+def _store(repo, rel, record):
+    (repo.root / rel).write_text(json.dumps(record))
+
+
+def test_a_source_edit_makes_the_record_stale_and_git_names_the_file(repo):
+    _edit_kernel(repo)
+    item = review_items(repo.root)["evidence-fresh"]
+    assert item.status == FAIL
+    changed = [f.path for f in item.findings if f.message.startswith("changed since")]
+    assert changed == [KERNEL]  # options.py is a source too, but unchanged
+    assert any(f.path == PARITY and f.message.startswith("stale") for f in item.findings)
+
+
+def test_per_file_hashes_name_the_changed_file_without_git(repo):
+    record = _load(repo, PARITY)
+    record["source_hashes"] = {s: hashlib.sha256((repo.root / s).read_bytes()).hexdigest()
+                               for s in record["sources"]}
+    record["commit"] = "unknown"
+    _store(repo, PARITY, record)
+    _edit_kernel(repo)
+    item = review_items(repo.root)["evidence-fresh"]
+    assert [f.path for f in item.findings if f.message.startswith("changed since")] == [KERNEL]
+
+
+def test_without_git_or_per_file_hashes_every_source_is_a_candidate(repo):
+    record = _load(repo, PARITY)
+    record["source_hash"] = "0" * 64  # measured on code that was never committed
+    _store(repo, PARITY, record)
+    item = review_items(repo.root)["evidence-fresh"]
+    assert item.status == FAIL
+    assert "every source is a candidate" in item.findings[0].message
+    assert {f.path for f in item.findings[1:]} == set(record["sources"])
+
+
+def test_a_deleted_source_or_a_record_without_sources(repo):
+    (repo.root / f"{MODEL}/options.py").unlink()
+    item = review_items(repo.root)["evidence-fresh"]
+    assert "no longer exist" in item.findings[0].message
+    assert item.findings[1].path == f"{MODEL}/options.py"
+    record = _load(repo, PARITY)
+    del record["sources"]
+    _store(repo, PARITY, record)
+    assert "tied to no code" in review_items(repo.root)["evidence-fresh"].findings[0].message
+
+
+def test_missing_evidence_file_wrong_gpu_and_failing_results(repo):
+    record = _load(repo, PARITY)
+    record.update(gpu="NVIDIA H100 80GB HBM3", compute_capability="9.0",
+                  results=[{"name": "a", "status": "pass"}, {"name": "b", "status": "fail"}])
+    _store(repo, PARITY, record)
+    messages = [f.message for f in review_items(repo.root)["evidence-fresh"].findings]
+    assert messages == ["envelope 'h200': ran on NVIDIA H100 80GB HBM3, not H200",
+                        "1 failing result(s): b"]
+    (repo.root / PARITY).unlink()
+    (finding,) = review_items(repo.root)["evidence-fresh"].findings
+    assert "evidence/h200/parity.json is missing" in finding.message
+    assert finding.line == 11  # the evidence key of the envelope in SCOPE.yaml
+
+
+def test_declared_envelopes_claim_nothing(repo):
+    path = repo.root / MODEL / "SCOPE.yaml"
+    path.write_text(path.read_text().replace("status: validated", "status: declared"))
+    (repo.root / PARITY).unlink()
+    item = review_items(repo.root)["evidence-fresh"]
+    assert item.status == PASS and item.summary.startswith("no envelope is validated")
+
+
+def test_an_unreadable_evidence_file_fails(repo):
+    repo.write(f"{MODEL}/evidence/broken.json", "{not json")
+    repo.write(f"{MODEL}/evidence/nokind.json", json.dumps({"results": []}))
+    item = review_items(repo.root)["evidence-fresh"]
+    assert item.status == FAIL
+    assert {f.path for f in item.findings} == {f"{MODEL}/evidence/broken.json",
+                                               f"{MODEL}/evidence/nokind.json"}
+
+
+def test_the_documented_hash_is_what_fresh_means(repo):
+    # independent of the fixture: rewrite the record's hash from the formula over new content
+    _edit_kernel(repo)
+    record = _load(repo, PARITY)
+    record["source_hash"] = sha256_of_sources(repo.root, record["sources"])
+    _store(repo, PARITY, record)
+    assert review_items(repo.root)["evidence-fresh"].status == PASS

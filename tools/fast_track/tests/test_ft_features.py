@@ -1,0 +1,63 @@
+"""Item `features`: each preserved feature's test exists (by ast) and passed in fresh evidence."""
+
+import json
+
+from ..features import find_test
+from ..items import FAIL, PASS
+from ..model import ModelFolder
+from .conftest import FEATURE_TEST, KERNEL, MODEL, review_items
+
+PARITY = f"{MODEL}/evidence/h200/parity.json"
+
+
+def _set_results(repo, results):
+    record = json.loads((repo.root / PARITY).read_text())
+    record["results"] = results
+    (repo.root / PARITY).write_text(json.dumps(record))
+
+
+def _features(repo):
+    return review_items(repo.root)["features"]
+
+
+def test_a_missing_file_or_function_is_named(repo):
+    path = repo.root / FEATURE_TEST
+    path.write_text(path.read_text().replace("test_sampling_same_on_both_paths", "test_renamed"))
+    item = _features(repo)
+    assert item.status == FAIL
+    assert "has no function 'test_sampling_same_on_both_paths'" in item.findings[0].message
+    assert item.findings[0].line == 5  # the `test:` line in SCOPE.yaml
+    path.unlink()
+    assert f"{FEATURE_TEST} does not exist" in _features(repo).findings[0].message
+
+
+def test_a_failed_or_absent_result_fails(repo):
+    _set_results(repo, [{"name": "test_sampling_same_on_both_paths", "status": "fail"}])
+    assert "FAILED in the evidence" in _features(repo).findings[0].message
+    _set_results(repo, [{"name": "test_something_else", "status": "pass"}])
+    assert "no parity or kernel-test record has its result" in _features(repo).findings[0].message
+
+
+def test_parametrized_results_all_must_pass(repo):
+    node = f"{FEATURE_TEST}::test_sampling_same_on_both_paths"
+    _set_results(repo, [{"name": node + "[greedy]", "status": "pass"},
+                        {"name": node + "[top_p]", "status": "pass"}])
+    assert _features(repo).status == PASS
+    _set_results(repo, [{"name": node + "[greedy]", "status": "pass"},
+                        {"name": node + "[top_p]", "status": "fail"}])
+    assert _features(repo).status == FAIL
+
+
+def test_a_pass_in_stale_evidence_does_not_count(repo):
+    path = repo.root / KERNEL
+    path.write_text(path.read_text() + "\n")
+    assert "passed only in stale evidence" in _features(repo).findings[0].message
+
+
+def test_find_test_follows_classes(repo):
+    repo.write(f"{MODEL}/tests/test_cls.py", "class TestA:\n    def test_b(self):\n        pass\n")
+    model = ModelFolder(repo.root, MODEL)
+    assert find_test(model, f"{MODEL}/tests/test_cls.py::TestA::test_b") == (True, "")
+    assert find_test(model, f"{MODEL}/tests/test_cls.py::test_b")[0] is False
+    assert find_test(model, f"{MODEL}/tests/test_cls.py::TestZ::test_b")[1].endswith(
+        "has no class 'TestZ'")

@@ -1,0 +1,48 @@
+"""Items `evals` (fresh, passing, gates met) and `benchmarks` (fresh, with its command)."""
+
+import json
+
+from ..items import FAIL, PASS
+from .conftest import MODEL, review_items
+
+EVAL = f"{MODEL}/evidence/h200/eval.json"
+BENCH = f"{MODEL}/evidence/h200/decode.json"
+
+
+def _patch(repo, rel, **fields):
+    record = json.loads((repo.root / rel).read_text())
+    record.update(fields)
+    (repo.root / rel).write_text(json.dumps(record))
+
+
+def test_evals_report_the_longest_context(repo):
+    item = review_items(repo.root)["evals"]
+    assert item.status == PASS and "longest context recorded 65536" in item.summary
+
+
+def test_a_missed_gate_or_failing_eval_fails(repo):
+    _patch(repo, EVAL, targets=[{"name": "greedy agreement", "target": ">= 0.99", "value": 0.97,
+                                 "met": False}])
+    item = review_items(repo.root)["evals"]
+    assert item.status == FAIL
+    assert item.findings[0].message == "target greedy agreement: 0.97 against '>= 0.99' (missed)"
+    _patch(repo, EVAL, targets=[], results=[{"name": "mrcr@64k", "status": "fail"}])
+    assert "failing result(s): mrcr@64k" in review_items(repo.root)["evals"].findings[0].message
+
+
+def test_no_eval_record_fails(repo):
+    (repo.root / EVAL).unlink()
+    item = review_items(repo.root)["evals"]
+    assert item.status == FAIL and item.summary.startswith("no eval record")
+
+
+def test_a_benchmark_needs_its_command_but_may_miss_a_target(repo):
+    _patch(repo, BENCH, targets=[{"name": "at the HBM floor", "target": "<= 1.1x", "value": 1.6,
+                                  "met": False}])
+    item = review_items(repo.root)["benchmarks"]
+    assert item.status == PASS and "1 target(s) missed" in item.summary
+    _patch(repo, BENCH, command="")
+    item = review_items(repo.root)["benchmarks"]
+    assert item.status == FAIL and "no `command`" in item.findings[0].message
+    (repo.root / BENCH).unlink()
+    assert review_items(repo.root)["benchmarks"].summary.startswith("no decode-bench record")

@@ -1,0 +1,103 @@
+"""`fast-track check` end to end: exit codes, the markdown report, and the report for this repository."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ..cli import main
+from .conftest import KERNEL, MODEL
+
+ROOT = Path(__file__).resolve().parents[3]
+ITEM_KEYS = ["changes", "scope-valid", "default-unchanged", "kernel-tests", "evidence-fresh",
+             "features", "evals", "benchmarks", "sanitizer", "evidence-report", "sync-order",
+             "numerics", "routing"]
+
+
+def _check(root, *args):
+    cwd = os.getcwd()
+    os.chdir(root)
+    try:
+        return main(["check", *args])
+    finally:
+        os.chdir(cwd)
+
+
+def test_passing_repo_exits_0_and_the_report_says_why(repo, capsys, tmp_path):
+    out = tmp_path / "summary.md"
+    assert _check(repo.root, "--base", "base", "--report", str(out)) == 0
+    text = out.read_text()
+    assert text == capsys.readouterr().out
+    assert "**Result: ✓ every automatic item holds.**" in text
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ")][2:]
+    assert [r[3] for r in rows[:10]] == ["✓"] * 10
+    assert "| H1 |" in text and "needs-human" in text
+
+
+def test_a_failing_item_exits_1_and_names_file_and_line(repo, capsys):
+    repo.write(f"{MODEL}/kernels/reduce.py", "def launch(x, sem):\n    grid_barrier(sem)\n")
+    assert _check(repo.root, "--base", "base") == 1
+    text = capsys.readouterr().out
+    assert "**Result: ✗" in text
+    assert f"`{MODEL}/kernels/reduce.py:2`" in text
+    assert "## 9. ✗" in text  # the sanitizer item, numbered as in CHECKLIST.md
+
+
+def test_inputs_that_are_wrong_exit_2_with_the_reason(repo, tmp_path, capsys):
+    assert _check(repo.root, "--base", "nope") == 2
+    assert "--base 'nope' is not a commit" in capsys.readouterr().err
+    assert _check(repo.root, "--model", "vllm/models/toy") == 2
+    assert "no SCOPE.yaml there" in capsys.readouterr().err
+    (tmp_path / "plain").mkdir()
+    assert _check(tmp_path / "plain") == 2
+    assert "not inside a git repository" in capsys.readouterr().err
+
+
+def test_the_evidence_report_renders_tables_and_goes_stale(repo, capsys):
+    text = (repo.root / "docs/fast_track/toy_evidence.md").read_text()
+    assert "| `vllm/models/toy/acme/evidence/h200/decode.json` | decode-bench |" in text
+    assert "| rows=1 | pass | 41.5 |" in text  # the bench's result row, every figure
+    assert "| faster than standard | > 1.0x | 1.7 | met |" in text
+    repo.write(f"{MODEL}/evidence/h200/plot.png", "png")
+    assert _check(repo.root, "--base", "base") == 1
+    assert "toy_evidence.md differs from the evidence" in capsys.readouterr().out
+    repo.render_report()
+    assert "![plot](../../vllm/models/toy/acme/evidence/h200/plot.png)" in \
+        (repo.root / "docs/fast_track/toy_evidence.md").read_text()
+
+
+def test_the_console_script_module_runs(repo):
+    out = subprocess.run([sys.executable, "-m", "tools.fast_track.cli", "check", "--base", "base"],
+                         cwd=repo.root, capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("# Fast-track review")
+
+
+@pytest.mark.skipif(not (ROOT / ".git").exists()
+                    or not (ROOT / "vllm/models/kimi_k3/nvidia/SCOPE.yaml").exists(),
+                    reason="needs this repository's checkout with its model folder")
+def test_the_report_for_this_repository_lists_every_item(capsys):
+    code = _check(ROOT)
+    text = capsys.readouterr().out
+    assert code in (0, 1)
+    rows = [line.split(" | ") for line in text.splitlines() if line.startswith("| ")][2:]
+    assert [r[1] for r in rows] == [f"`{key}`" for key in ITEM_KEYS]
+    # every item that does not hold has its own section with the reason
+    for number, key, _title, mark, _summary in rows:
+        if mark != "✓":
+            assert f"## {number.lstrip('| ')}. {mark} " in text and f"(`{key.strip('`')}`)" in text
+    assert KERNEL not in text  # the toy repo's paths never leak into the real report
+
+
+def test_the_checker_imports_nothing_of_any_model_nor_torch():
+    import ast
+
+    package = ROOT / "tools" / "fast_track"
+    for path in package.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0]
+        assert not [n for n in names if n.split(".")[0] in ("vllm", "torch")], path.name
