@@ -30,5 +30,7 @@ setup(
         "eval": ["lm-eval"],
     },
     entry_points={"console_scripts": [f"k3-decode={MODEL}.latency_specialized.cli:main",
-                                      "fast-track=tools.fast_track.cli:main"]},
+                                      "fast-track=tools.fast_track.cli:main"],
+                  "vllm.general_plugins": [
+                      f"kimi_k3_latency_specialized = {MODEL}.latency_specialized.vllm_hook:register"]},
 )
