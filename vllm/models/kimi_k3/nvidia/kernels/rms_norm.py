@@ -1,0 +1,286 @@
+"""Weighted RMSNorm for decode rows: y = bf16(x / RMS_ε(x) ⊙ γ), RMS_ε(x) = sqrt(mean(x²) + ε).
+
+Math: `reference/ops.py::rms_norm` (FP32 throughout, one rounding at the store; K3_MATH.md §3.3
+and §8 item 9). Used for MLA's q_a / kv_a latent norms (D = 1536 / 512), the latent MoE
+`routed_expert_norm` (3584) and the final norm (7168).
+
+Envelope: x `[M, D]` BF16 with 1 <= M <= 64 and D in NORM_WIDTHS; γ `[D]` BF16 contiguous; out
+`[M, D]` BF16. The rows of x and out may be strided (a column slice of a wider GEMM output, as
+q_c and kv_c are of MLA's fused_a output): last dim contiguous, row stride a multiple of 8
+elements, 16-byte aligned. ε is a run-time argument. Compiles for sm_90a, sm_100a, sm_103a
+(nothing arch-specific here; `block_sums` uses clusters only when asked, sm_90+). Fuses the
+reduction, the scale and the weight into one read and one write of the row.
+
+Design: one CTA per row. Each thread owns `vecs` 16-byte vectors of the row (strided by the CTA
+width, so a warp's accesses are contiguous), keeps them in registers between the reduction and
+the store, and the row is read exactly once. `block_sums` is the reduction shared with the
+other norm kernels (AttnRes): a butterfly that halves the list of sums at every step (one
+shuffle per pair of values instead of five per value), warps through shared memory, CTAs of a
+cluster through distributed shared memory; every sum has a fixed order, so all CTAs of a row get
+bit-identical totals.
+
+The host `launch` checks the envelope before touching the GPU, compiles once per (D, row
+strides, arch), then only launches, on an explicit stream (CUDA-graph capturable).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Constexpr, Float32, Int32, const_expr
+from cutlass.cute.runtime import make_ptr
+
+MAX_ROWS = 64
+NORM_WIDTHS = (7168, 3584, 1536, 512)
+VEC = 8  # bf16 elements per 16-byte access
+
+
+class NormEnvelopeError(ValueError):
+    """The inputs fall outside what the norm kernels support."""
+
+
+# ---------------------------------------------------------------- device helpers (shared)
+
+
+def row_vectors(ptr: cute.Pointer, rows: Int32, cols: int, row_stride: int) -> cute.Tensor:
+    """A `[rows, cols]` row-major view cut into 16-byte vectors: ((1, 8), (rows, cols / 8))."""
+    return cute.zipped_divide(cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(row_stride, 1))),
+                              (1, VEC))
+
+
+def pow2_at_least(n: int) -> int:
+    p = 1
+    while p < n:
+        p *= 2
+    return p
+
+
+def _butterfly_steps(p: int) -> list[tuple[int, int]]:
+    """(lane offset, values kept) of the five shuffle steps over 32 lanes for a list of p values;
+    kept = 0 marks a plain step on the one value left."""
+    log2p = p.bit_length() - 1
+    return [(16 >> i, p >> (i + 1) if i < log2p else 0) for i in range(5)]
+
+
+@cute.jit
+def block_sums(vals: cute.Tensor, red: cute.Tensor, fin: cute.Tensor, rank: Int32,
+               n: Constexpr, warps: Constexpr, split: Constexpr):
+    """Sum each of vals[0..n) over all threads of the CTA and, with split > 1, over the `split`
+    CTAs of the cluster; afterwards every thread holds the totals in vals[0..n).
+
+    vals: per-thread FP32 registers of size pow2_at_least(n) (<= 32), padding zero.
+    red: shared FP32 `(n, warps)`; fin: shared FP32 `(n, split)`, a fresh one per call (peers
+    write into it while this CTA may still read the previous call's). With split > 1 the caller
+    has already waited on the cluster barrier once (every CTA of the cluster has started).
+    """
+    tid, _, _ = cute.arch.thread_idx()
+    lane = tid % 32
+    warp = tid // 32
+    # Butterfly with halving: at offset o a lane keeps the lower or upper half of its list (by
+    # bit o of the lane) and receives the partner's copy of that half, so each step costs one
+    # shuffle per kept value. After log2(p) steps lane l holds value l >> (5 - log2 p).
+    p = pow2_at_least(n)
+    steps = _butterfly_steps(p)
+    for st in cutlass.range_constexpr(5):
+        offset, kept = steps[st]
+        if const_expr(kept > 0):
+            upper = (lane & offset) != 0
+            for i in cutlass.range_constexpr(kept):
+                lo = vals[i]
+                hi = vals[i + kept]
+                send = Float32(cutlass.select_(upper, lo, hi))
+                keep = Float32(cutlass.select_(upper, hi, lo))
+                vals[i] = keep + cute.arch.shuffle_sync_bfly(send, offset=offset)
+        else:
+            vals[0] = vals[0] + cute.arch.shuffle_sync_bfly(vals[0], offset=offset)
+    shift = 5 - (p.bit_length() - 1)
+    if lane < (n << shift):
+        if (lane & ((1 << shift) - 1)) == 0:
+            red[lane >> shift, warp] = vals[0]
+    cute.arch.sync_threads()
+    if tid < n:
+        total = red[tid, 0]
+        for w in cutlass.range_constexpr(1, warps):
+            total += red[tid, w]
+        if const_expr(split == 1):
+            fin[tid, 0] = total
+        else:
+            # push this CTA's partial into slot `rank` of every CTA's fin (its own included)
+            for r in cutlass.range_constexpr(split):
+                remote = cute.arch.map_dsmem_ptr(fin.iterator + tid + n * rank, r)
+                cute.arch.inline_ptx("st.shared::cluster.f32 [{$r0}], {$r1};", read_only_args=[remote.toint(), total])
+    if const_expr(split == 1):
+        cute.arch.sync_threads()
+    else:
+        # release the pushes, acquire the peers'; no CTA touches remote memory after this
+        cute.arch.cluster_arrive()
+        cute.arch.cluster_wait()
+    for i in cutlass.range_constexpr(n):
+        total = fin[i, 0]
+        for r in cutlass.range_constexpr(1, split):
+            total += fin[i, r]
+        vals[i] = total
+
+
+# ---------------------------------------------------------------- the kernel
+
+
+@dataclass(frozen=True)
+class RmsNormPlan:
+    """Everything static about one compiled variant."""
+
+    d: int
+    x_stride: int
+    y_stride: int
+    vecs: int  # 16-byte vectors per thread
+    threads: int
+
+    @staticmethod
+    def for_width(d: int, x_stride: int, y_stride: int) -> RmsNormPlan:
+        # the fewest vectors per thread that keep the CTA at <= 256 threads in whole warps
+        nv = d // VEC
+        vecs = 1
+        while nv // vecs > 256 or nv % vecs or (nv // vecs) % 32:
+            vecs += 1
+        return RmsNormPlan(d, x_stride, y_stride, vecs, nv // vecs)
+
+
+@cute.kernel
+def _rms_norm_kernel(x_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer, m: Int32,
+                     eps: Float32, plan: Constexpr):
+    tid, _, _ = cute.arch.thread_idx()
+    row, _, _ = cute.arch.block_idx()
+    vecs, threads = plan.vecs, plan.threads
+    x = row_vectors(x_ptr, m, plan.d, plan.x_stride)
+    w = row_vectors(w_ptr, 1, plan.d, plan.d)
+    y = row_vectors(y_ptr, m, plan.d, plan.y_stride)
+    xr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
+    wr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
+    for v in cutlass.range_constexpr(vecs):
+        cute.autovec_copy(x[(0, None), (row, tid + v * threads)], xr[None, v])
+    for v in cutlass.range_constexpr(vecs):
+        cute.autovec_copy(w[(0, None), (0, tid + v * threads)], wr[None, v])
+
+    smem = cutlass.memory.SmemAllocator()
+    red = smem.allocate_tensor(Float32, cute.make_layout((1, threads // 32)), byte_alignment=16)
+    fin = smem.allocate_tensor(Float32, cute.make_layout((1, 1)), byte_alignment=16)
+    xf = xr.load().to(Float32)
+    sums = cute.make_rmem_tensor(cute.make_layout(1), Float32)
+    sums[0] = (xf * xf).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
+    block_sums(sums, red, fin, Int32(0), 1, threads // 32, 1)
+    rrms = cute.math.rsqrt(sums[0] * (1.0 / plan.d) + eps)
+
+    yr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
+    yr.store((xf * rrms * wr.load().to(Float32)).to(BFloat16))
+    for v in cutlass.range_constexpr(vecs):
+        cute.autovec_copy(yr[None, v], y[(0, None), (row, tid + v * threads)])
+
+
+@cute.jit
+def _rms_norm_host(x_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer, m: Int32,
+                   eps: Float32, stream: cuda.CUstream, plan: Constexpr):
+    _rms_norm_kernel(x_ptr, w_ptr, y_ptr, m, eps, plan).launch(
+        grid=(m, 1, 1), block=(plan.threads, 1, 1), stream=stream)
+
+
+def gmem_ptr(dtype: Any, address: int, align: int = 16) -> cute.Pointer:
+    return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def compile_rms_norm(plan: RmsNormPlan, arch: str, ptx_dir: str | None = None) -> Any:
+    """Compile one variant for `arch` ('sm_90a', 'sm_100a', 'sm_103a'); needs no GPU. With `ptx_dir`
+    the PTX is kept (written there, and in the result's `artifacts.PTX`)."""
+    p = gmem_ptr(BFloat16, 16)
+    return cute.compile(_rms_norm_host, p, p, p, Int32(1), Float32(1e-5), cute.runtime.make_fake_stream(), plan,
+                        options=f"--gpu-arch {arch}" + (f" --keep-ptx --dump-dir {ptx_dir}" if ptx_dir else ""))
+
+
+# ---------------------------------------------------------------- host side
+
+
+def need(cond: bool, kernel: str, msg: str) -> None:
+    if not cond:
+        raise NormEnvelopeError(f"{kernel}: {msg}")
+
+
+def check_rows(kernel: str, name: str, t: torch.Tensor, rows: int | None, cols: int) -> None:
+    """t must be a bf16 `[rows, cols]` tensor with contiguous 16-byte-aligned rows (device: see
+    check_devices, which runs last so that envelope errors show on CPU tensors too)."""
+    need(isinstance(t, torch.Tensor), kernel, f"{name} must be a torch tensor")
+    need(t.dim() == 2 and (rows is None or t.shape[0] == rows) and t.shape[1] == cols, kernel,
+         f"{name} must be [{'M' if rows is None else rows}, {cols}], got {tuple(t.shape)}")
+    need(t.dtype == torch.bfloat16, kernel, f"{name} must be bfloat16, got {t.dtype}; cast it first")
+    need(t.stride(1) == 1 and t.stride(0) % VEC == 0 and t.data_ptr() % 16 == 0, kernel,
+         f"{name} rows must be contiguous, 16-byte aligned, with a row stride that is a multiple of 8 "
+         f"(got strides {tuple(t.stride())}); call .contiguous()")
+
+
+def check_vector(kernel: str, name: str, t: torch.Tensor, n: int) -> None:
+    need(isinstance(t, torch.Tensor) and t.dim() == 1 and t.shape[0] == n, kernel,
+         f"{name} must be a [{n}] tensor, got {tuple(t.shape) if isinstance(t, torch.Tensor) else type(t)}")
+    need(t.dtype == torch.bfloat16, kernel, f"{name} must be bfloat16, got {t.dtype}; cast it first")
+    need(t.is_contiguous() and t.data_ptr() % 16 == 0, kernel, f"{name} must be contiguous and 16-byte aligned")
+
+
+def check_row_count(kernel: str, m: int) -> None:
+    need(1 <= m <= MAX_ROWS, kernel, f"M={m} rows is outside 1..{MAX_ROWS}; split the batch into chunks of <= {MAX_ROWS}")
+
+
+def check_devices(kernel: str, tensors: dict[str, torch.Tensor | None]) -> None:
+    """Every given tensor is a CUDA tensor, all on one device."""
+    given = {name: t for name, t in tensors.items() if t is not None}
+    for name, t in given.items():
+        need(t.device.type == "cuda", kernel, f"{name} must be a CUDA tensor, got one on {t.device}")
+    need(len({t.device for t in given.values()}) == 1, kernel, f"{', '.join(given)} must all be on one device")
+
+
+def check_envelope(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None) -> None:
+    """Raise NormEnvelopeError naming what is outside the envelope (no GPU work)."""
+    need(isinstance(x, torch.Tensor) and x.dim() == 2, "rms_norm",
+         f"x must be a [M, D] tensor, got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x)}")
+    m, d = x.shape
+    need(d in NORM_WIDTHS, "rms_norm", f"D={d} is not a K3 norm width {NORM_WIDTHS}")
+    check_row_count("rms_norm", m)
+    check_rows("rms_norm", "x", x, m, d)
+    check_vector("rms_norm", "weight", weight, d)
+    if out is not None:
+        check_rows("rms_norm", "out", out, m, d)
+    check_devices("rms_norm", {"x": x, "weight": weight, "out": out})
+
+
+def device_arch(device: torch.device) -> str:
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}a"
+
+
+def current_stream(device: torch.device, stream: torch.cuda.Stream | None) -> cuda.CUstream:
+    s = torch.cuda.current_stream(device) if stream is None else stream
+    return cuda.CUstream(s.cuda_stream)
+
+
+_COMPILED: dict[tuple[RmsNormPlan, str], Any] = {}
+
+
+def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor | None = None, *,
+           stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+    """out = bf16(x / RMS_eps(x) ⊙ weight) on `stream` (default: the current stream).
+
+    The first call of a (D, strides) variant compiles (about a second); later calls only launch.
+    """
+    check_envelope(x, weight, out)
+    m, d = x.shape
+    if out is None:
+        out = torch.empty((m, d), dtype=torch.bfloat16, device=x.device)
+    plan = RmsNormPlan.for_width(d, x.stride(0), out.stride(0))
+    key = (plan, device_arch(x.device))
+    fn = _COMPILED.get(key)
+    if fn is None:
+        fn = _COMPILED[key] = compile_rms_norm(plan, key[1])
+    fn(gmem_ptr(BFloat16, x.data_ptr()), gmem_ptr(BFloat16, weight.data_ptr()), gmem_ptr(BFloat16, out.data_ptr()),
+       m, eps, current_stream(x.device, stream))
+    return out

@@ -1,0 +1,499 @@
+"""Norm, AttnRes and embedding kernels (kernels/{rms_norm,gated_rms_norm,attn_res,embedding}.py)
+against the reference (reference/ops.py, reference/kda.py, reference/attn_res.py,
+reference/model.py).
+
+CPU: envelope errors (raised before any CUDA use), tilings that cover every envelope shape, and
+compile checks for sm_90a, sm_100a and sm_103a whose PTX must show the design (16-byte global
+loads and stores, the cluster exchange where AttnRes splits a row, no local memory).
+GPU (marker `gpu`): every envelope width and head count, M from 1 to 64, four input
+distributions (normal, heavy-tailed, large-magnitude, near-zero), outputs NaN-poisoned before
+the launch, ‖out − ref‖/‖ref‖ in fp32 under REL_ERR_BOUND (both sides are rounded to bf16 once,
+so they differ only where the fp32 values straddle a rounding boundary: at most one bf16 ulp,
+2^-8 relative, on those elements); the AttnRes prefix update and the embedding gather are exact
+and compared bit for bit; CUDA-graph capture and replay. With K3_EVIDENCE_DIR set the GPU
+results are written there as "kernel-test" records (families norm, attn_res, embedding).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install nvidia-cutlass-dsl==4.8.1)")
+
+from vllm.models.kimi_k3.nvidia.kernels import (  # noqa: E402
+    attn_res,
+    embedding,
+    gated_rms_norm,
+    rms_norm,
+)
+from vllm.models.kimi_k3.nvidia.kernels.rms_norm import NormEnvelopeError  # noqa: E402
+from vllm.models.kimi_k3.nvidia.latency_specialized.config import PRESETS  # noqa: E402
+from vllm.models.kimi_k3.nvidia.latency_specialized.evidence import write_record  # noqa: E402
+from vllm.models.kimi_k3.nvidia.reference.attn_res import attn_res_mix  # noqa: E402
+from vllm.models.kimi_k3.nvidia.reference.collective import SingleRank  # noqa: E402
+from vllm.models.kimi_k3.nvidia.reference.kda import _gated_rms_norm  # noqa: E402
+from vllm.models.kimi_k3.nvidia.reference.model import embed  # noqa: E402
+from vllm.models.kimi_k3.nvidia.reference.ops import bf16_add  # noqa: E402
+from vllm.models.kimi_k3.nvidia.reference.ops import rms_norm as rms_norm_ref  # noqa: E402
+
+H = attn_res.HIDDEN
+EPS = 1e-5
+ROWS = (1, 2, 3, 8, 16, 33, 64)
+HEADS = (96, 48, 24, 12, 6)
+DISTRIBUTIONS = ("normal", "heavy_tailed", "large", "tiny")
+REL_ERR_BOUND = 4e-3
+ARCHS = ("sm_90a", "sm_100a", "sm_103a")
+KERNEL_DIR = "vllm/models/kimi_k3/nvidia/kernels/"
+TEST_FILE = "vllm/models/kimi_k3/nvidia/tests/test_norm_kernels.py"
+SOURCES = {
+    "norm": (KERNEL_DIR + "rms_norm.py", KERNEL_DIR + "gated_rms_norm.py", TEST_FILE),
+    "attn_res": (KERNEL_DIR + "rms_norm.py", KERNEL_DIR + "attn_res.py", TEST_FILE),
+    "embedding": (KERNEL_DIR + "rms_norm.py", KERNEL_DIR + "embedding.py", TEST_FILE),
+}
+
+
+def _draw(kind: str, shape: tuple[int, ...], gen: torch.Generator, device: str = "cuda") -> torch.Tensor:
+    """Random bf16 inputs: normal, heavy-tailed (Student t, 3 dof), large-magnitude, near-zero."""
+    z = torch.randn(shape, generator=gen, device=device)
+    if kind == "heavy_tailed":  # t = z / sqrt(chi2_3 / 3)
+        chi2 = sum(torch.randn(shape, generator=gen, device=device) ** 2 for _ in range(3))
+        z = z / (chi2 / 3).sqrt().clamp_min(1e-3)
+    elif kind == "large":
+        z = z * 3e3
+    elif kind == "tiny":
+        z = z * 1e-4
+    return z.to(torch.bfloat16)
+
+
+def _norm_weight(n: int, gen: torch.Generator, device: str = "cuda") -> torch.Tensor:
+    """A trained-looking norm weight: around 1, never zero."""
+    return (1.0 + 0.2 * torch.randn(n, generator=gen, device=device)).to(torch.bfloat16)
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
+
+
+def _nan(shape: tuple[int, ...], device: str = "cuda") -> torch.Tensor:
+    return torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
+
+
+# ---------------------------------------------------------------- envelope (CPU)
+
+def _bf(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("dtype", "bfloat16"),
+    ("rows", "M=65"),
+    ("width", "D=1000"),
+    ("weight", "weight must be a [512]"),
+    ("stride", "row stride"),
+    ("cpu", "CUDA tensor"),
+])
+def test_rms_norm_envelope_errors(case, match):
+    x, w = _bf(4, 512), _bf(512)
+    if case == "dtype":
+        x = x.float()
+    elif case == "rows":
+        x = _bf(65, 512)
+    elif case == "width":
+        x = _bf(4, 1000)
+    elif case == "weight":
+        w = _bf(256)
+    elif case == "stride":
+        x = _bf(4, 516)[:, :512]
+    with pytest.raises(NormEnvelopeError, match=re.escape(match)):
+        rms_norm.launch(x, w, EPS)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("dtype", "bfloat16"),
+    ("rows", "M=65"),
+    ("heads", "1..96 heads"),
+    ("gate", "gate must be [4, 768]"),
+    ("weight", "weight must be a [128]"),
+])
+def test_gated_rms_norm_envelope_errors(case, match):
+    o, g, w = _bf(4, 768), _bf(4, 768), _bf(128)
+    if case == "dtype":
+        g = g.half()
+    elif case == "rows":
+        o, g = _bf(65, 768), _bf(65, 768)
+    elif case == "heads":
+        o, g = _bf(4, 700), _bf(4, 700)
+    elif case == "gate":
+        g = _bf(4, 640)
+    elif case == "weight":
+        w = _bf(64)
+    with pytest.raises(NormEnvelopeError, match=re.escape(match)):
+        gated_rms_norm.launch(o, g, w)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("sources", "10 sources"),
+    ("none", "0 sources"),
+    ("rows", "M=65"),
+    ("hidden", "H=4096"),
+    ("dtype", "blocks must be bfloat16"),
+    ("addend", "addend given without a prefix"),
+    ("live", "live_out is only written"),
+    ("mix", "mix_out (the rounded mixture before the norm) needs out_w"),
+    ("slots", "n_blocks=3 but blocks has only 2 slots"),
+])
+def test_attn_res_envelope_errors(case, match):
+    m = 2
+    blocks, prefix, w = _bf(8, m, H), _bf(m, H), _bf(H)
+    kw: dict = {"n_blocks": 3, "prefix": prefix}
+    if case == "sources":
+        blocks, kw["n_blocks"] = _bf(9, m, H), 9
+    elif case == "none":
+        kw.update(n_blocks=0, prefix=None)
+    elif case == "rows":
+        blocks, kw["prefix"] = _bf(8, 65, H), _bf(65, H)
+    elif case == "hidden":
+        blocks = _bf(8, m, 4096)
+    elif case == "dtype":
+        blocks = blocks.float()
+    elif case == "addend":
+        kw.update(prefix=None, addend=_bf(m, H))
+    elif case == "live":
+        kw["live_out"] = _bf(m, H)
+    elif case == "mix":
+        kw["mix_out"] = _bf(m, H)
+    elif case == "slots":
+        blocks = _bf(2, m, H)
+    n_blocks, prefix = kw.pop("n_blocks"), kw.pop("prefix")
+    with pytest.raises(NormEnvelopeError, match=re.escape(match)):
+        attn_res.launch(blocks, n_blocks, prefix, w, w, EPS, **kw)
+
+
+@pytest.mark.parametrize("case, match", [
+    ("ids", "int32 or int64"),
+    ("rows", "M=65"),
+    ("hidden", "[V/T, 7168] shard"),
+    ("out", "out must be [3, 7168]"),
+])
+def test_embedding_envelope_errors(case, match):
+    ids, table, out = torch.tensor([1, 2, 3]), _bf(16, H), None
+    if case == "ids":
+        ids = ids.float()
+    elif case == "rows":
+        ids = torch.arange(65)
+    elif case == "hidden":
+        table = _bf(16, 4096)
+    elif case == "out":
+        out = _bf(2, H)
+    with pytest.raises(NormEnvelopeError, match=re.escape(match)):
+        embedding.launch(ids, table, 0, 163840, out)
+
+
+def test_tilings_cover_the_envelope():
+    for d in rms_norm.NORM_WIDTHS:
+        p = rms_norm.RmsNormPlan.for_width(d, d, d)
+        assert p.vecs * p.threads * rms_norm.VEC == d and p.threads % 32 == 0 and p.threads <= 256
+    for t in attn_res.TILINGS.values():
+        assert t.covers(H)
+    for m in range(1, rms_norm.MAX_ROWS + 1):
+        t = attn_res.choose_tiling(m, 132)
+        assert t.covers(H) and t.split >= 2 and (m * t.split <= 132 or t.split == 2)
+
+
+# ---------------------------------------------------------------- compile checks (CPU)
+
+def _attn_res_plan(n_blocks: int, split: int, *, out_norm: bool = True, mix_out: bool = False) -> attn_res.AttnResPlan:
+    return attn_res.AttnResPlan(H, n_blocks, H, 8 * H, True, H, True, H, True, H, out_norm, mix_out, H, H,
+                                attn_res.TILINGS[split])
+
+
+COMPILE_CASES = {
+    "rms_norm d=1536 strided": lambda arch, ptx_dir: rms_norm.compile_rms_norm(
+        rms_norm.RmsNormPlan.for_width(1536, 2112, 1536), arch, ptx_dir),
+    "gated_rms_norm h=12": lambda arch, ptx_dir: gated_rms_norm.compile_gated_rms_norm(
+        gated_rms_norm.GatedNormPlan(12, 1536, 6400, 1536), arch, ptx_dir),
+    "attn_res 9 sources split 7": lambda arch, ptx_dir: attn_res.compile_attn_res(
+        _attn_res_plan(8, 7, out_norm=False), arch, ptx_dir),
+    "attn_res final+norm split 2": lambda arch, ptx_dir: attn_res.compile_attn_res(
+        _attn_res_plan(8, 2, mix_out=True), arch, ptx_dir),
+    "embedding int64": lambda arch, ptx_dir: embedding.compile_embedding(
+        embedding.EmbeddingPlan(10240, 8 * H, True), arch, ptx_dir),
+}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("name", list(COMPILE_CASES))
+def test_compiles_for_arch(arch, name, tmp_path):
+    ptx = COMPILE_CASES[name](arch, str(tmp_path)).artifacts.PTX
+    assert f".target {arch}" in ptx
+    assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx  # 16-byte accesses only
+    assert not re.search(r"\b(ld|st)\.local", ptx), "registers spilled to local memory"
+    assert not re.search(r"ld\.global\.(b|u|s)(16|8)\b", ptx), "narrow loads of row data"
+    if name.startswith("attn_res"):
+        assert "barrier.cluster.arrive.relaxed" in ptx  # armed before the loads
+        assert "st.shared::cluster.f32" in ptx and "mapa.shared::cluster" in ptx  # partial sums pushed to peers
+
+
+# ---------------------------------------------------------------- GPU checks
+
+@pytest.fixture(scope="module")
+def evidence():
+    results: dict[str, list[dict]] = {"norm": [], "attn_res": [], "embedding": []}
+    torch.backends.cuda.matmul.allow_tf32 = False  # the reference's v·c product in true fp32
+    yield results
+    where = os.environ.get("K3_EVIDENCE_DIR")
+    for family, rows in results.items():
+        if where and rows:
+            write_record(os.path.join(where, f"{family}_test.json"), "kernel-test", family,
+                         "K3_EVIDENCE_DIR=<dir> python -m pytest -q -m gpu " + TEST_FILE,
+                         SOURCES[family], rows,
+                         targets=[{"name": "every case within its bound, every output element written",
+                                   "target": "all pass", "value": sum(r["status"] == "pass" for r in rows) / len(rows),
+                                   "met": all(r["status"] == "pass" for r in rows)}],
+                         extra={"rel_err_bound": REL_ERR_BOUND})
+
+
+def _record(rows: list[dict], failures: list[str], name: str, rel: float, unwritten: int, bound: float = REL_ERR_BOUND,
+            exact: bool | None = None, **extra) -> None:
+    ok = unwritten == 0 and rel < bound and exact is not False
+    rows.append({"name": name, "status": "pass" if ok else "fail", "rel_err": rel, "unwritten": unwritten,
+                 **({"exact": exact} if exact is not None else {}), **extra})
+    if not ok:
+        failures.append(f"{name}: rel_err {rel:.2e} (bound {bound:.0e}), {unwritten} NaN left"
+                        + ("" if exact is not False else ", not bit-exact"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("d", rms_norm.NORM_WIDTHS)
+def test_rms_norm_matches_reference(d, evidence):
+    gen = torch.Generator(device="cuda").manual_seed(d)
+    failures: list[str] = []
+    for dist in DISTRIBUTIONS:
+        w = _norm_weight(d, gen)
+        for m in ROWS:
+            # the MLA latent norms read a column slice of the fused_a output: a strided row
+            wide = _draw(dist, (m, d + 64 if d <= 1536 else d), gen)
+            x = wide[:, 64:] if d <= 1536 else wide
+            out = _nan((m, d))
+            rms_norm.launch(x, w, EPS, out)
+            ref = rms_norm_ref(x, w, EPS)
+            _record(evidence["norm"], failures, f"rms_norm D={d} M={m} {dist}", _rel_err(out, ref),
+                    int(torch.isnan(out).sum()), shape={"m": m, "d": d, "x_row_stride": x.stride(0)},
+                    distribution=dist)
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", HEADS)
+def test_gated_rms_norm_matches_reference(heads, evidence):
+    gen = torch.Generator(device="cuda").manual_seed(1000 + heads)
+    width = heads * gated_rms_norm.HEAD_DIM
+    failures: list[str] = []
+    for dist in DISTRIBUTIONS:
+        w = _norm_weight(gated_rms_norm.HEAD_DIM, gen)
+        for m in ROWS:
+            o = _draw(dist, (m, width), gen)
+            # g_out is a column slice of the KDA input projection's output (rows [q | k | v | g | ...])
+            z = _draw("normal", (m, 4 * width + 256), gen) * 3
+            g = z[:, 3 * width:4 * width]
+            out = _nan((m, width))
+            gated_rms_norm.launch(o, g, w, out)
+            ref = _gated_rms_norm(o.reshape(m, heads, -1), g.reshape(m, heads, -1), w).reshape(m, width)
+            _record(evidence["norm"], failures, f"gated_rms_norm h={heads} M={m} {dist}", _rel_err(out, ref),
+                    int(torch.isnan(out).sum()), shape={"m": m, "heads": heads, "g_row_stride": g.stride(0)},
+                    distribution=dist)
+    assert not failures, "; ".join(failures)
+
+
+class _Layer:
+    """One AttnRes call's inputs on an upstream-style [M, 8, H] block buffer, with source scales
+    that differ (the embedding is small, block sums grow with depth)."""
+
+    def __init__(self, m: int, dist: str, gen: torch.Generator):
+        self.buf = torch.empty((m, 8, H), dtype=torch.bfloat16, device="cuda")
+        for j in range(8):
+            self.buf[:, j] = _draw(dist, (m, H), gen) * (0.25 * (j + 1))
+        self.blocks = self.buf.transpose(0, 1)  # [8, M, H] view, strides (H, 8H, 1)
+        self.prefix = _draw(dist, (m, H), gen) * 2
+        self.addend = _draw(dist, (m, H), gen)
+        self.norm_w = _norm_weight(H, gen)
+        self.proj_w = (0.02 * torch.randn(H, generator=gen, device="cuda")).to(torch.bfloat16)
+        self.out_w = _norm_weight(H, gen)
+
+    def sources(self, n_blocks: int, live: torch.Tensor | None) -> list[torch.Tensor]:
+        return [self.blocks[s] for s in range(n_blocks)] + ([live] if live is not None else [])
+
+
+# (form, n_blocks): the call forms of K3_MATH.md §3.2's table
+ATTN_RES_FORMS = (
+    [("pre_attention", nb) for nb in range(1, 9)]  # e, S_0..S_{b-1}, bf16(Pr + m): prefix advanced in place
+    + [("block_complete", nb) for nb in (1, 4, 7)]  # the advanced prefix becomes block slot n_blocks
+    + [("layer0", 1), ("post_attention_fresh", 3), ("final", 8), ("final_with_norm", 8)]
+)
+
+
+def _run_attn_res(layer: _Layer, form: str, nb: int, tiling=None):
+    """Launch one form; return (out, live (or None), mix_out (or None), reference out, reference live,
+    reference mix)."""
+    m = layer.prefix.shape[0]
+    out = _nan((m, H))
+    kw: dict = {"out": out, "tiling": tiling}
+    live_ref = mix_ref = None
+    prefix = layer.prefix.clone()
+    if form in ("pre_attention", "block_complete", "final", "final_with_norm"):
+        kw["addend"] = layer.addend
+        live_ref = bf16_add(prefix, layer.addend)
+    if form == "pre_attention":
+        kw["live_out"] = prefix  # in place
+    elif form == "block_complete":
+        layer.buf[:, nb] = float("nan")
+        kw["live_out"] = layer.blocks[nb]
+    if form not in ("final",):
+        kw["out_w"] = layer.out_w
+    if form == "final_with_norm":
+        kw["mix_out"] = _nan((m, H))
+    if form == "layer0":
+        attn_res.launch(layer.blocks, 1, None, layer.norm_w, layer.proj_w, EPS, **kw)
+        ref = attn_res_mix(layer.sources(1, None), layer.norm_w, layer.proj_w, EPS, layer.out_w, EPS)
+        return out, None, None, ref, None, None
+    if form == "post_attention_fresh":
+        live_ref = layer.addend  # the attention output starts the new block
+        attn_res.launch(layer.blocks, nb, layer.addend, layer.norm_w, layer.proj_w, EPS, **kw)
+    else:
+        attn_res.launch(layer.blocks, nb, prefix, layer.norm_w, layer.proj_w, EPS, **kw)
+    srcs = layer.sources(nb, live_ref)
+    if form == "final":
+        ref = attn_res_mix(srcs, layer.norm_w, layer.proj_w, EPS)
+    elif form == "final_with_norm":
+        mix_ref = attn_res_mix(srcs, layer.norm_w, layer.proj_w, EPS)
+        ref = rms_norm_ref(mix_ref, layer.out_w, EPS)
+    else:
+        ref = attn_res_mix(srcs, layer.norm_w, layer.proj_w, EPS, layer.out_w, EPS)
+    live = {"pre_attention": prefix, "block_complete": layer.blocks[nb] if nb < 8 else None}.get(form)
+    return out, live, kw.get("mix_out"), ref, live_ref, mix_ref
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("form, nb", ATTN_RES_FORMS, ids=[f"{f}-{nb}" for f, nb in ATTN_RES_FORMS])
+def test_attn_res_matches_reference(form, nb, evidence):
+    gen = torch.Generator(device="cuda").manual_seed(2000 + 17 * nb + len(form))
+    failures: list[str] = []
+    # every cluster split (7, 4, 2 by choose_tiling) on the single-call forms; pre_attention sweeps n_blocks
+    rows = (1, 64) if form == "pre_attention" else (2, 33, 64)
+    for dist in DISTRIBUTIONS:
+        for m in rows:
+            layer = _Layer(m, dist, gen)
+            out, live, mix, ref, live_ref, mix_ref = _run_attn_res(layer, form, nb)
+            unwritten = int(torch.isnan(out).sum())
+            exact = None
+            if live is not None:
+                unwritten += int(torch.isnan(live).sum())
+                exact = torch.equal(live, live_ref)
+            rel = _rel_err(out, ref)
+            if mix is not None:
+                unwritten += int(torch.isnan(mix).sum())
+                rel = max(rel, _rel_err(mix, mix_ref))
+            _record(evidence["attn_res"], failures, f"attn_res {form} n_blocks={nb} M={m} {dist}", rel, unwritten,
+                    exact=exact, shape={"m": m, "n_blocks": nb, "h": H}, form=form, distribution=dist,
+                    tiling=attn_res.choose_tiling(m, torch.cuda.get_device_properties(0).multi_processor_count).split)
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", sorted(attn_res.TILINGS))
+def test_attn_res_every_tiling_and_repeatable(split, evidence):
+    """Each cluster split gives the reference result, and repeat launches are bit-identical (the
+    cross-CTA sums have a fixed order)."""
+    gen = torch.Generator(device="cuda").manual_seed(3000 + split)
+    failures: list[str] = []
+    tiling = attn_res.TILINGS[split]
+    for m in (1, 7, 18):
+        layer = _Layer(m, "normal", gen)
+        out, live, _, ref, live_ref, _ = _run_attn_res(layer, "pre_attention", 8, tiling)
+        again, _, _, _, _, _ = _run_attn_res(layer, "pre_attention", 8, tiling)
+        _record(evidence["attn_res"], failures, f"attn_res split={split} M={m} repeat", _rel_err(out, ref),
+                int(torch.isnan(out).sum()), exact=torch.equal(out, again) and torch.equal(live, live_ref),
+                shape={"m": m, "n_blocks": 8, "h": H}, tiling=split)
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
+def test_embedding_matches_reference(ids_dtype, evidence):
+    cfg = PRESETS["k3"]
+    shard = cfg.shard(16, 3)
+    gen = torch.Generator(device="cuda").manual_seed(4000)
+    table = _draw("normal", (shard.vocab, H), gen)
+    failures: list[str] = []
+    for m in ROWS:
+        # ids of this rank, of other ranks, negative (padding) and past the vocabulary
+        mine = torch.randint(shard.vocab_start, shard.vocab_start + shard.vocab, (m,), generator=gen, device="cuda")
+        other = torch.randint(0, cfg.vocab_size, (m,), generator=gen, device="cuda")
+        bad = torch.tensor([-1, cfg.vocab_size, cfg.vocab_size + 5, shard.vocab_start - 1], device="cuda")
+        pick = torch.randint(0, 3, (m,), generator=gen, device="cuda")
+        ids = torch.where(pick == 0, mine, torch.where(pick == 1, other, bad[torch.arange(m, device="cuda") % 4]))
+        ids = ids.to(ids_dtype)
+        buf = _nan((m, 8, H))  # write straight into slot 0 of an AttnRes block buffer
+        embedding.launch(ids, table, shard.vocab_start, cfg.vocab_size, buf[:, 0])
+        ref = embed(ids.long(), table, shard, cfg.vocab_size, SingleRank(16, 3))
+        got = buf[:, 0]
+        _record(evidence["embedding"], failures, f"embedding M={m} ids={str(ids_dtype).removeprefix('torch.')}",
+                0.0 if torch.equal(got, ref) else _rel_err(got, ref), int(torch.isnan(got).sum()),
+                exact=torch.equal(got, ref), shape={"m": m, "shard_rows": shard.vocab, "h": H},
+                untouched_slots_still_nan=bool(torch.isnan(buf[:, 1:]).all()))
+        if not torch.isnan(buf[:, 1:]).all():
+            failures.append(f"M={m}: wrote outside slot 0")
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.gpu
+def test_cuda_graph_capture_and_replay():
+    """All four kernels record into one CUDA graph (capture runs nothing) and replay on new inputs
+    written in place."""
+    gen = torch.Generator(device="cuda").manual_seed(5000)
+    m = 6
+    layer = _Layer(m, "normal", gen)
+    x, w = _draw("normal", (m, 3584), gen), _norm_weight(3584, gen)
+    o, g, gw = _draw("normal", (m, 12 * 128), gen), _draw("normal", (m, 12 * 128), gen), _norm_weight(128, gen)
+    table = _draw("normal", (1000, H), gen)
+    ids = torch.tensor([3, 999, 1000, -1, 0, 17], device="cuda")
+    outs = [_nan((m, 3584)), _nan((m, 12 * 128)), _nan((m, H)), _nan((m, H))]
+    prefix = layer.prefix.clone()
+
+    def step():
+        rms_norm.launch(x, w, EPS, outs[0])
+        gated_rms_norm.launch(o, g, gw, outs[1])
+        attn_res.launch(layer.blocks, 5, prefix, layer.norm_w, layer.proj_w, EPS, addend=layer.addend,
+                        out_w=layer.out_w, out=outs[2])
+        embedding.launch(ids, table, 0, 1000, outs[3])
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # compile outside the capture
+        torch.cuda.synchronize()
+        for t in outs:
+            t.fill_(float("nan"))
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            step()
+    torch.cuda.synchronize()
+    assert all(torch.isnan(t).all() for t in outs), "capture ran a kernel instead of recording it"
+    x.copy_(_draw("large", (m, 3584), gen))
+    prefix.copy_(_draw("normal", (m, H), gen))
+    ids.copy_(torch.tensor([5, 0, 999, 2000, -7, 1], device="cuda"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _rel_err(outs[0], rms_norm_ref(x, w, EPS)) < REL_ERR_BOUND
+    assert _rel_err(outs[1], _gated_rms_norm(o.reshape(m, 12, -1), g.reshape(m, 12, -1), gw).reshape(m, -1)) \
+        < REL_ERR_BOUND
+    ref = attn_res_mix(layer.sources(5, bf16_add(prefix, layer.addend)), layer.norm_w, layer.proj_w, EPS,
+                       layer.out_w, EPS)
+    assert _rel_err(outs[2], ref) < REL_ERR_BOUND
+    shard = dataclasses.replace(PRESETS["k3"].shard(1, 0), vocab=1000)  # a 1000-row table
+    assert torch.equal(outs[3], embed(ids, table, shard, 1000, SingleRank(1, 0)))
