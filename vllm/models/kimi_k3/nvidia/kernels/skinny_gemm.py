@@ -235,14 +235,26 @@ def _skinny_gemm_kernel(
         cute.arch.sync_threads()
         if is_last[0] == 1:
             cute.arch.fence_acq_rel_gpu()
-            for idx in cutlass.range(tid, m * block_n, threads):
+            # all of a thread's workspace loads first (over the padded rows, at clamped indices,
+            # which were written), then the guarded stores, so the loads are in flight together:
+            # a loop that loads and stores each element waits one L2 round trip per element
+            # (16 of them at M = 64)
+            per_thread = -(-8 * m_atoms * block_n // threads)
+            totals = cute.make_rmem_tensor(cute.make_layout(per_thread), Float32)
+            for i in cutlass.range_constexpr(per_thread):
+                idx = tid + i * threads
+                xr_in = cutlass.min(idx // block_n, m - 1)
+                col_in = cutlass.min(tile * block_n + idx % block_n, n - 1)
+                totals[i] = ws[0, xr_in, col_in]
+                for q in cutlass.range_constexpr(1, splits):
+                    totals[i] += ws[q, xr_in, col_in]
+            for i in cutlass.range_constexpr(per_thread):
+                idx = tid + i * threads
                 xr = idx // block_n
                 col = tile * block_n + idx % block_n
-                if col < n:
-                    total = ws[0, xr, col]
-                    for q in cutlass.range_constexpr(1, splits):
-                        total += ws[q, xr, col]
-                    y[xr, col] = total.to(y.element_type)
+                if xr < m:
+                    if col < n:
+                        y[xr, col] = totals[i].to(y.element_type)
             if tid == 0:
                 cute.arch.atomic_exch(cnt_ptr + tile, Int32(0), sem="relaxed", scope="gpu")
 
@@ -271,10 +283,10 @@ def _ptr(dtype: Any, address: int, align: int = 16) -> cute.Pointer:
 
 
 def compile_skinny_gemm(n: int, k: int, m_atoms: int, out_dtype: torch.dtype, tiling: Tiling,
-                        arch: str, keep_ptx: bool = False) -> Any:
+                        arch: str, ptx_dir: str | None = None) -> Any:
     """Compile for one static shape and arch ('sm_90a', 'sm_100a', ...); needs no GPU.
 
-    keep_ptx keeps the PTX in the result's `artifacts.PTX` (and writes it to the working dir).
+    With ptx_dir the PTX is kept in the result's `artifacts.PTX` (and written into ptx_dir).
     """
     return cute.compile(
         _skinny_gemm_host,
@@ -282,7 +294,7 @@ def compile_skinny_gemm(n: int, k: int, m_atoms: int, out_dtype: torch.dtype, ti
         _ptr(Int32, 16, 4), Int32(1), cute.runtime.make_fake_stream(),
         n, k, m_atoms, tiling.row_tiles, tiling.chunk_atoms, tiling.x_atoms,
         tiling.warps_n, tiling.warps_k, tiling.splits,
-        options=f"--gpu-arch {arch}" + (" --keep-ptx" if keep_ptx else ""),
+        options=f"--gpu-arch {arch}" + (f" --keep-ptx --dump-dir={ptx_dir}" if ptx_dir else ""),
     )
 
 
