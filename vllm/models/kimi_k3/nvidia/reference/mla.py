@@ -53,8 +53,8 @@ def split_kv_b(kv_b: torch.Tensor, cfg: K3TextConfig, heads: int) -> tuple[torch
 def _causal_softmax(scores: torch.Tensor) -> torch.Tensor:
     """fp32 softmax over the last axis of scores [h, n, L]; query j sits at position L − n + j."""
     _, n, length = scores.shape
-    query_pos = torch.arange(length - n, length).unsqueeze(1)
-    future = torch.arange(length).unsqueeze(0) > query_pos
+    query_pos = torch.arange(length - n, length, device=scores.device).unsqueeze(1)
+    future = torch.arange(length, device=scores.device).unsqueeze(0) > query_pos
     return torch.softmax(scores.masked_fill(future, float("-inf")), dim=-1)
 
 
