@@ -1,0 +1,154 @@
+"""Combine of the KV splits of MLA decode attention: ol = Σ_s w_s O_s / Σ_s w_s ℓ_s.
+
+**Status: compiled (sm_90a, sm_100a, sm_103a), not yet run on a GPU.**
+
+Math: split s of a query row left an unnormalized FP32 partial O_s = Σ_{t ∈ s} 2^(x_t − m_s) c_t
+with its max m_s and sum ℓ_s = Σ_{t ∈ s} 2^(x_t − m_s) (x = scores in log2 units, written by
+`kernels/mla_decode.py`). With M = max_s m_s and w_s = 2^(m_s − M), the merged row is
+bf16(Σ_s w_s O_s / Σ_s w_s ℓ_s): the softmax of `reference/mla.py::attend_absorbed` over the
+whole context (FP32, the splits merged in a fixed order, so results are deterministic). A
+split that saw no visible token (max −∞, sum 0) weighs 0; a row that saw none at all is 0.
+
+Envelope: the workspace of one `mla_decode.launch` — partials [slots, tile_rows, 512] and
+(max, sum) [slots, tile_rows, 2] FP32, records [slots, INFO_FIELDS] int32 — and its output
+[rows · heads, 512] bf16, all contiguous and 16-byte aligned; run on the same stream right
+after the decode kernel. Compiles for sm_90a, sm_100a, sm_103a (nothing arch-specific).
+
+Design: one CTA of 128 threads per decode work unit (the same grid). Each record says what
+that unit computed: request (−1: idle), split s, splits n, the slot of split 0 of its query
+tile, the slot stride between splits, the tile's real rows and its first output row. Units
+of a request with n = 1 (written directly) and idle ones exit at once. Otherwise the n
+units of a tile share its rows × 4 column blocks of 128 (unit s takes pieces s, s + n, ...),
+so the combine is as parallel as the splits. Per piece the four warps take every fourth
+batch of UNROLL splits (16-byte loads of 4 columns per lane, a batch in flight at once),
+merge online in split order, then meet in shared memory, and warp 0 merges the four in
+order and stores.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Constexpr, Float32, Int32
+from cutlass.cute.runtime import make_ptr
+
+LATENT = 512
+GROUPS = 4  # warps, each merging every fourth batch of splits
+UNROLL = 8  # splits a warp loads at once (latency: one L2 round trip per batch, not per split)
+COL_BLOCKS = 4  # 128-column pieces of a row: 32 lanes × 4 columns
+INFO_FIELDS = 8  # request, split, splits, first slot, slot stride, valid rows, output row; 32-byte records
+
+
+@cute.jit
+def _merge(state: cute.Tensor, o: cute.Tensor, m_s: Float32, l_s: Float32):
+    """state = (max, sum, 4 accumulators) absorbs one partial (o, m_s, l_s)."""
+    new_max = cute.arch.fmax(state[0], m_s)
+    ref = cutlass.select_(new_max == -Float32.inf, Float32(0.0), new_max)
+    keep = cute.math.exp2(state[0] - ref, fastmath=True)
+    take = cute.math.exp2(m_s - ref, fastmath=True)
+    state[0] = new_max
+    state[1] = state[1] * keep + l_s * take
+    for j in cutlass.range_constexpr(4):
+        state[2 + j] = state[2 + j] * keep + o[j] * take
+
+
+@cute.kernel
+def _mla_combine_kernel(ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, info_ptr: cute.Pointer,
+                        out_ptr: cute.Pointer, slots: Int32, out_rows: Int32, tile_rows: Constexpr):
+    tid, _, _ = cute.arch.thread_idx()
+    unit, _, _ = cute.arch.block_idx()
+    lane = tid % 32
+    group = tid // 32
+    info = cute.make_tensor(info_ptr, cute.make_layout((slots, INFO_FIELDS), stride=(INFO_FIELDS, 1)))
+    req = info[unit, 0]
+    splits = info[unit, 2]
+    if req >= 0:
+        if splits > 1:
+            split = info[unit, 1]
+            first = info[unit, 3]
+            stride = info[unit, 4]
+            valid_rows = info[unit, 5]
+            out_base = info[unit, 6]
+            ws_o = cute.make_tensor(ws_o_ptr, cute.make_layout((4, slots * tile_rows, LATENT // 4),
+                                                               stride=(1, LATENT, 4)))
+            ws_ml = cute.make_tensor(ws_ml_ptr, cute.make_layout((slots * tile_rows, 2), stride=(2, 1)))
+            out = cute.make_tensor(out_ptr, cute.make_layout((4, out_rows, LATENT // 4), stride=(1, LATENT, 4)))
+            smem = cutlass.memory.SmemAllocator()
+            shared = smem.allocate_tensor(Float32, cute.make_layout((6, 32, GROUPS), stride=(1, 6, 6 * 32)),
+                                          byte_alignment=16)
+            state = cute.make_rmem_tensor(cute.make_layout(6), Float32)
+            o = cute.make_rmem_tensor(cute.make_layout(4), Float32)
+            o_batch = cute.make_rmem_tensor(cute.make_layout((4, UNROLL)), Float32)
+            ml_batch = cute.make_rmem_tensor(cute.make_layout((2, UNROLL)), Float32)
+            res = cute.make_rmem_tensor(cute.make_layout(4), BFloat16)
+            for piece in cutlass.range(split, valid_rows * COL_BLOCKS, splits):
+                row = piece // COL_BLOCKS
+                col4 = (piece - row * COL_BLOCKS) * 32 + lane  # which 4 columns of the row
+                state.fill(0.0)
+                state[0] = -Float32.inf
+                for s0 in cutlass.range(UNROLL * group, splits, UNROLL * GROUPS):
+                    # UNROLL independent loads in flight, then merged in split order; splits past
+                    # the last re-read it and weigh nothing (max −inf)
+                    for u in cutlass.range_constexpr(UNROLL):
+                        src = (first + cutlass.min(s0 + u, splits - 1) * stride) * tile_rows + row
+                        cute.autovec_copy(ws_o[None, src, col4], o_batch[None, u])
+                        ml_batch[0, u] = cutlass.select_(s0 + u < splits, ws_ml[src, 0], -Float32.inf)
+                        ml_batch[1, u] = ws_ml[src, 1]
+                    for u in cutlass.range_constexpr(UNROLL):
+                        _merge(state, o_batch[None, u], ml_batch[0, u], ml_batch[1, u])
+                for j in cutlass.range_constexpr(6):
+                    shared[j, lane, group] = state[j]
+                cute.arch.sync_threads()
+                if group == 0:
+                    state.fill(0.0)
+                    state[0] = -Float32.inf
+                    for gr in cutlass.range_constexpr(GROUPS):
+                        for j in cutlass.range_constexpr(4):
+                            o[j] = shared[2 + j, lane, gr]
+                        _merge(state, o, shared[0, lane, gr], shared[1, lane, gr])
+                    inv = cutlass.select_(state[1] > 0.0, 1.0 / state[1], Float32(0.0))
+                    for j in cutlass.range_constexpr(4):
+                        res[j] = (state[2 + j] * inv).to(BFloat16)
+                    cute.autovec_copy(res, out[None, out_base + row, col4])
+                cute.arch.sync_threads()  # `shared` is rewritten by the next piece
+
+
+@cute.jit
+def _mla_combine_host(ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, info_ptr: cute.Pointer,
+                      out_ptr: cute.Pointer, slots: Int32, out_rows: Int32, stream: cuda.CUstream,
+                      tile_rows: Constexpr):
+    _mla_combine_kernel(ws_o_ptr, ws_ml_ptr, info_ptr, out_ptr, slots, out_rows, tile_rows).launch(
+        grid=(slots, 1, 1), block=(32 * GROUPS, 1, 1), stream=stream)
+
+
+def _ptr(dtype: Any, address: int, align: int = 16) -> cute.Pointer:
+    return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def compile_mla_combine(tile_rows: int, arch: str, ptx_dir: str | None = None) -> Any:
+    """Compile for one tile height and arch ('sm_90a', 'sm_100a', 'sm_103a'); needs no GPU. With
+    `ptx_dir` the PTX is kept (written there, and in the result's `artifacts.PTX`)."""
+    f32 = _ptr(Float32, 16)
+    return cute.compile(_mla_combine_host, f32, f32, _ptr(Int32, 16, 4), _ptr(BFloat16, 16), Int32(1), Int32(1),
+                        cute.runtime.make_fake_stream(), tile_rows,
+                        options=f"--gpu-arch {arch}" + (f" --keep-ptx --dump-dir {ptx_dir}" if ptx_dir else ""))
+
+
+_COMPILED: dict[tuple[int, str], Any] = {}
+
+
+def launch(ws_o: torch.Tensor, ws_ml: torch.Tensor, info: torch.Tensor, out: torch.Tensor, slots: int,
+           tile_rows: int, arch: str, stream: cuda.CUstream) -> None:
+    """Merge the splits `mla_decode.launch` left in its workspace into `out` [rows, heads, 512].
+
+    Called by `mla_decode.launch` (which checked every tensor) on its stream."""
+    key = (tile_rows, arch)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        fn = _COMPILED[key] = compile_mla_combine(tile_rows, arch)
+    fn(_ptr(Float32, ws_o.data_ptr()), _ptr(Float32, ws_ml.data_ptr()), _ptr(Int32, info.data_ptr(), 4),
+       _ptr(BFloat16, out.data_ptr()), slots, out.shape[0] * out.shape[1], stream)

@@ -1,0 +1,715 @@
+"""MLA absorbed decode attention over the paged latent cache, split over the KV length.
+
+**Status: compiled (sm_90a, sm_100a, sm_103a), not yet run on a GPU.**
+
+Math (K3_MATH.md §3.5 (6); `reference/mla.py::attend_absorbed` is the oracle, read up to its
+latent output ol, before W_UV): for every query row i of a request, with q_lat_i = [ql | q_pe]
+(576 = 512 + 64, bf16; ql = bf16(q_nope · W_UK) comes from a batched GEMM outside) and the
+cache rows kv_t = [c_t | k_pe_t] (576, bf16),
+
+    s_it  = τ · q_lat_i · kv_t               τ = 1/sqrt(192), FP32 from bf16 products
+    p_it  = softmax_t(s_it) over t ≤ L − q + j     (row i belongs to verify token j)
+    ol_i  = bf16(Σ_t p_it · c_t)             (the latent is the value; W_UV stays outside)
+
+Statistics (max, sum) and accumulators are FP32; the weights p are rounded to bf16 for the
+P·V tensor-core products (the reference keeps them FP32: ~2^-9 relative per weight).
+
+Envelope: q_lat `[rows, heads, 576]` and out `[rows, heads, 512]` bf16 contiguous; the cache
+`[num_blocks, block_size, 576]` bf16 contiguous (any block_size >= 1; block id 0 may be the
+null block); block_table `[requests, max_blocks]`, seq_lens `[requests]` and query_start
+`[requests + 1]` int32 contiguous on the same device; 1 <= requests <= 64, heads 1..128 (K3:
+6 / 12 / 96 per rank), 1..8 tokens per request (`max_q`, causal among them). Request r owns
+rows query_start[r] .. query_start[r+1] − 1 and attends over seq_lens[r] cached positions,
+the step's own tokens included (inserted before the call). Any length from 1 to the block
+table's capacity runs; lengths above the declared MAX_CONTEXT are the dispatcher's to route
+elsewhere. Device-side metadata is clamped so that nothing is read or written out of bounds
+(a length beyond the table, a block id beyond the cache, rows beyond q_lat); what comes out
+for such metadata is unspecified, and rows outside every request are not written.
+
+Design (decode reads the whole cache once; all heads and verify tokens of a request share
+each cache row read):
+- Work unit = (request, query tile of 16·m rows of its heads × tokens, KV split). A CTA of
+  4 warps streams its split in 32-token chunks through a `stages`-deep cp.async ring in
+  shared memory; the cache row pitch is padded by 16 bytes so every ldmatrix is
+  conflict-free. Warp w computes the scores of tokens 8w..8w+7 (Q and K fragments by
+  ldmatrix, mma.sync m16n8k16, several accumulators to break the dependency chain), the
+  four warps meet in shared memory for the row max and sum (online softmax), the weights
+  go through shared memory as bf16, and warp w accumulates value columns 128w..128w+127
+  (V fragments by ldmatrix.trans straight from the same ring rows).
+- The schedule is computed on the device from seq_lens (CUDA-graph safe, identical in
+  every CTA): W = Σ_r chunks_r · tiles_r, chunks per split cps = max(min_chunks,
+  ⌈W / target⌉), splits_r = ⌈chunks_r / cps⌉, balanced chunk ranges. The grid is the
+  static bound target + requests · max_tiles, so one request at 1M tokens gets `target`
+  splits (every SM busy) and every length runs; surplus CTAs exit at once.
+- A request with one split writes ol directly. Otherwise each CTA writes its unnormalized
+  FP32 partial (O, max, sum) and a record of what it computed to a workspace, and
+  `kernels/mla_combine.py` merges the splits (log-sum-exp weights, fixed order). `launch`
+  runs both. Launches of one shape share the workspace, so they must be stream-ordered.
+
+The host `launch` checks the envelope before any CUDA work, compiles once per (heads,
+max_q, block_size, tiling, arch), then only launches on an explicit stream (CUDA-graph
+capturable once the shape has run one time outside the capture).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Constexpr, Float32, Int32, Int64
+from cutlass.cute.runtime import make_ptr
+
+from . import mla_combine
+
+LATENT = 512  # r_kv: the value width
+ROW = 576  # r_kv + d_r: one cache row, one q_lat row
+VEC = 8  # bf16 elements per 16-byte access
+ROW_VECS = ROW // VEC  # 72
+PITCH = ROW + VEC  # shared-memory row pitch: 1168 B, 16 mod 128, so 8 rows hit 8 bank groups
+CHUNK = 32  # tokens per pipeline stage
+WARPS = 4
+THREADS = 32 * WARPS
+WARP_COLS = LATENT // WARPS  # value columns per warp
+P_PITCH = CHUNK + VEC  # bf16 weight tile pitch: 80 B, 8 rows conflict-free for ldmatrix
+MAX_REQUESTS = 64  # two per lane in the warp-wide schedule
+MAX_Q = 8
+MAX_HEADS = 128
+MAX_CONTEXT = 1 << 20  # declared in SCOPE.yaml; longer contexts go to the standard path
+SCALE_LOG2 = math.log2(math.e) / math.sqrt(192.0)  # τ with exp folded into exp2
+INFO = mla_combine.INFO_FIELDS
+SMEM_PER_CTA = 227 * 1024
+
+
+class MlaDecodeEnvelopeError(ValueError):
+    """The inputs fall outside what the MLA decode kernel supports."""
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """Everything static about one compiled variant."""
+
+    heads: int
+    max_q: int
+    block_size: int
+    m_tiles: int  # 16-row MMA tiles per CTA (1 or 2)
+    stages: int  # chunks in the cp.async ring
+
+    def __post_init__(self) -> None:
+        if self.m_tiles not in (1, 2) or not 2 <= self.stages <= 8:
+            raise ValueError(f"{self}: m_tiles must be 1 or 2 and stages 2..8")
+
+    @property
+    def tile_rows(self) -> int:
+        return 16 * self.m_tiles
+
+    @property
+    def max_tiles(self) -> int:
+        """Query tiles of a request with max_q tokens."""
+        return -(-self.heads * self.max_q // self.tile_rows)
+
+    @property
+    def score_sets(self) -> int:
+        """Independent score accumulators per tile (K3's 36 k-atoms in 4 or 2 chains)."""
+        return 4 // self.m_tiles
+
+    @property
+    def smem_bytes(self) -> int:
+        ring = 2 * self.stages * CHUNK * PITCH
+        q_tile = 2 * self.tile_rows * PITCH
+        weights = 2 * self.tile_rows * P_PITCH
+        stats = 2 * 4 * WARPS * self.tile_rows
+        return ring + q_tile + weights + stats + 4 * 128  # alignment slack
+
+
+def choose_plan(heads: int, max_q: int, block_size: int) -> DecodePlan:
+    """One 16-row tile when all query rows of a request fit (plain decode at TP8/TP16), else two;
+    the deepest ring that fits one CTA per SM (4 stages: 3 chunks, 110 KB, in flight)."""
+    m_tiles = 1 if heads * max_q <= 16 else 2
+    stages = 4
+    while DecodePlan(heads, max_q, block_size, m_tiles, stages).smem_bytes > SMEM_PER_CTA:
+        stages -= 1
+    return DecodePlan(heads, max_q, block_size, m_tiles, stages)
+
+
+# ---------------------------------------------------------------- the schedule (host and device)
+#
+# Written with + − * // and the given min / max only, so the same functions run inside the
+# kernels (cutlass.min / cutlass.max on Int32) and on the host (the builtins on Python ints:
+# `schedule`, the mirror the CPU tests check).
+
+
+def request_work(seq_len, row_start, row_end, r, requests, rows, cap, heads, max_q, tile_rows,
+                 lo=cutlass.min, hi=cutlass.max):
+    """(L, row0, q, chunks, tiles) of request r after clamping its metadata into bounds.
+
+    Requests past `requests`, empty ones and ones with no rows get zero chunks or tiles."""
+    live_cap = cap * lo(hi(requests - r, 0), 1)
+    length = lo(hi(seq_len, 0), live_cap)
+    row0 = lo(hi(row_start, 0), rows)
+    q = hi(lo(lo(row_end - row0, max_q), rows - row0), 0)
+    chunks = (length + CHUNK - 1) // CHUNK
+    tiles = (heads * q + tile_rows - 1) // tile_rows
+    return length, row0, q, chunks, tiles
+
+
+def chunks_per_split(total_work, target, min_chunks, hi=cutlass.max):
+    return hi(min_chunks, (total_work + target - 1) // target)
+
+
+def split_count(chunks, cps):
+    return (chunks + cps - 1) // cps
+
+
+def split_range(chunks, splits, s, lo=cutlass.min, hi=cutlass.max):
+    """Chunks [c0, c1) of split s of `splits` balanced splits (each non-empty)."""
+    base = chunks // splits
+    extra = chunks - base * splits
+    c0 = s * base + lo(s, extra)
+    c1 = c0 + base + lo(hi(extra - s, 0), 1)
+    return c0, c1
+
+
+def grid_size(plan: DecodePlan, requests: int, target: int) -> int:
+    """Static bound on the work units: Σ tiles_r ⌈chunks_r / cps⌉ ≤ W / cps + Σ tiles_r."""
+    return target + requests * plan.max_tiles
+
+
+@dataclass(frozen=True)
+class WorkUnit:
+    slot: int
+    request: int
+    tile: int
+    split: int
+    splits: int
+    chunk_begin: int
+    chunk_end: int
+    token_end: int
+
+
+def schedule(seq_lens: list[int], query_start: list[int], rows: int, cap: int, plan: DecodePlan,
+             target: int, min_chunks: int) -> list[WorkUnit]:
+    """The work units the kernel runs, in CTA order (the host mirror of `_locate`)."""
+    requests = len(seq_lens)
+    work = [request_work(seq_lens[r], query_start[r], query_start[r + 1], r, requests, rows, cap,
+                         plan.heads, plan.max_q, plan.tile_rows, min, max) for r in range(requests)]
+    total = sum(w[3] * w[4] for w in work)
+    cps = chunks_per_split(total, target, min_chunks, max)
+    units, slot = [], 0
+    for r, (length, _, _, chunks, tiles) in enumerate(work):
+        splits = split_count(chunks, cps)
+        for s in range(splits):
+            c0, c1 = split_range(chunks, splits, s, min, max)
+            for t in range(tiles):
+                units.append(WorkUnit(slot, r, t, s, splits, c0, c1, min(c1 * CHUNK, length)))
+                slot += 1
+    return units
+
+
+# ---------------------------------------------------------------- device helpers
+
+
+@cute.jit
+def _warp_sum(x: Int32) -> Int32:
+    for i in cutlass.range_constexpr(5):
+        x = x + cute.arch.shuffle_sync_bfly(x, offset=1 << i)
+    return x
+
+
+@cute.jit
+def _warp_inclusive_scan(x: Int32, lane: Int32) -> Int32:
+    for i in cutlass.range_constexpr(5):
+        up = cute.arch.shuffle_sync_up(x, offset=1 << i)
+        x = x + cutlass.select_(lane >= (1 << i), up, Int32(0))
+    return x
+
+
+@cute.jit
+def _pick(first: Int32, second: Int32, r: Int32) -> Int32:
+    """Request r's value where lane l holds requests l (first) and l + 32 (second)."""
+    a = cute.arch.shuffle_sync(first, r % 32)
+    b = cute.arch.shuffle_sync(second, r % 32)
+    return cutlass.select_(r < 32, a, b)
+
+
+@cute.jit
+def _locate(lens: cute.Tensor, starts: cute.Tensor, unit: Int32, lane: Int32, requests: Int32, rows: Int32,
+            cap: Int32, target: Int32, min_chunks: Int32, plan: Constexpr):
+    """Which work unit CTA `unit` runs: (request or `requests` when idle, tile, split, splits,
+    first slot of the request, tiles, L, row0, q, chunks). Every warp computes it alike."""
+    vals = []
+    for half in cutlass.range_constexpr(2):
+        r = lane + 32 * half
+        rc = cutlass.min(r, requests - 1)
+        vals.append(request_work(lens[rc], starts[rc], starts[rc + 1], r, requests, rows, cap,
+                                 plan.heads, plan.max_q, plan.tile_rows))
+    total = _warp_sum(vals[0][3] * vals[0][4] + vals[1][3] * vals[1][4])
+    cps = chunks_per_split(total, target, min_chunks)
+    splits = [split_count(v[3], cps) for v in vals]
+    units = [splits[h] * vals[h][4] for h in range(2)]
+    incl0 = _warp_inclusive_scan(units[0], lane)
+    incl1 = _warp_inclusive_scan(units[1], lane) + cute.arch.shuffle_sync(incl0, 31)
+    # the request is the number of requests whose units all lie before this one
+    before = (cute.arch.popc(cute.arch.vote_ballot_sync(incl0 <= unit))
+              + cute.arch.popc(cute.arch.vote_ballot_sync(incl1 <= unit)))
+    req = cutlass.min(Int32(before), requests)
+    tiles = _pick(vals[0][4], vals[1][4], req)
+    n_split = _pick(splits[0], splits[1], req)
+    first = _pick(incl0 - units[0], incl1 - units[1], req)
+    local = unit - first
+    tiles_safe = cutlass.max(tiles, 1)
+    return (req, local % tiles_safe, local // tiles_safe, n_split, first, tiles,
+            _pick(vals[0][0], vals[1][0], req), _pick(vals[0][1], vals[1][1], req),
+            _pick(vals[0][2], vals[1][2], req), _pick(vals[0][3], vals[1][3], req))
+
+
+@cute.jit
+def _chunk_rows(phys: cute.Tensor, table: cute.Tensor, chunk: Int32, token_end: Int32, warp: Int32,
+                table_row: Int32, num_blocks: Int32, block_size: Constexpr):
+    """Cache rows (block · block_size + offset) of the warp's 8 tokens w + 4k of `chunk`; tokens
+    at or past token_end repeat the last one (their scores are masked)."""
+    for k in cutlass.range_constexpr(CHUNK // WARPS):
+        tok = cutlass.min(chunk * CHUNK + warp + WARPS * k, token_end - 1)
+        page = tok // block_size
+        block = cutlass.max(cutlass.min(table[table_row + page], num_blocks - 1), 0)
+        phys[k] = block * block_size + (tok - page * block_size)
+
+
+@cute.jit
+def _issue_chunk(g2s: cute.CopyAtom, cache_base: Int64, phys: cute.Tensor, ring: cute.Tensor, stage: Int32,
+                 warp: Int32, lane: Int32):
+    """cp.async of the warp's 8 cache rows (72 16-byte vectors each) into ring stage `stage`."""
+    for k in cutlass.range_constexpr(CHUNK // WARPS):
+        src = cute.make_tensor(
+            cute.make_ptr(BFloat16, cache_base + Int64(phys[k]) * (2 * ROW), cute.AddressSpace.gmem,
+                          assumed_align=16),
+            cute.make_layout((VEC, ROW_VECS), stride=(1, VEC)))
+        row = warp + WARPS * k
+        for v in cutlass.range_constexpr(2):
+            cute.copy(g2s, src[None, lane + 32 * v], ring[None, stage, row, lane + 32 * v])
+        if lane < ROW_VECS - 64:
+            cute.copy(g2s, src[None, lane + 64], ring[None, stage, row, lane + 64])
+
+
+@cute.jit
+def _mma(atom: cute.MmaAtom, acc: cute.Tensor, a: cute.Tensor, b: cute.Tensor, m: Constexpr, n: Constexpr):
+    """acc[m × n tiles] += a[m tiles] · b[n tiles] for one k16 atom; a holds m A fragments of
+    8 bf16 (mma.sync register order), b n B fragments of 4, acc (4, m, n) FP32."""
+    cute.gemm(atom,
+              cute.make_tensor(acc.iterator, cute.make_layout(((2, 2), m, n), stride=((1, 2), 4, 4 * m))),
+              cute.make_tensor(a.iterator, cute.make_layout(((2, 2, 2), m, 1), stride=((1, 2, 4), 8, 0))),
+              cute.make_tensor(b.iterator, cute.make_layout(((2, 2), n, 1), stride=((1, 2), 4, 0))),
+              cute.make_tensor(acc.iterator, cute.make_layout(((2, 2), m, n), stride=((1, 2), 4, 4 * m))))
+
+
+@cute.jit
+def _quad_max(x: Float32) -> Float32:
+    x = cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=1))
+    return cute.arch.fmax(x, cute.arch.shuffle_sync_bfly(x, offset=2))
+
+
+@cute.jit
+def _quad_sum(x: Float32) -> Float32:
+    x = x + cute.arch.shuffle_sync_bfly(x, offset=1)
+    return x + cute.arch.shuffle_sync_bfly(x, offset=2)
+
+
+# ---------------------------------------------------------------- the kernel
+
+
+@cute.kernel
+def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointer,
+                       lens_ptr: cute.Pointer, starts_ptr: cute.Pointer, out_ptr: cute.Pointer,
+                       ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, info_ptr: cute.Pointer,
+                       rows: Int32, requests: Int32, num_blocks: Int32, max_blocks: Int32, slots: Int32,
+                       target: Int32, min_chunks: Int32, plan: Constexpr):
+    tid, _, _ = cute.arch.thread_idx()
+    unit, _, _ = cute.arch.block_idx()
+    lane = tid % 32
+    warp = tid // 32
+    g = lane // 4  # fragment row (and token of a B fragment)
+    c = lane % 4  # fragment column pair
+    heads, m, stages, sets = plan.heads, plan.m_tiles, plan.stages, plan.score_sets
+    tile_rows = plan.tile_rows
+    block_size = plan.block_size
+
+    lens = cute.make_tensor(lens_ptr, cute.make_layout(requests))
+    starts = cute.make_tensor(starts_ptr, cute.make_layout(requests + 1))
+    table = cute.make_tensor(table_ptr, cute.make_layout(requests * max_blocks))
+    cap = max_blocks * block_size
+    req, tile, split, splits, first, tiles, length, row0, q, chunks = _locate(
+        lens, starts, unit, lane, requests, rows, cap, target, min_chunks, plan)
+    valid_rows = cutlass.min(tile_rows, heads * q - tile * tile_rows)
+    out_base = row0 * heads + tile * tile_rows  # first flattened (row, head) of the tile
+    has_work = req < requests
+
+    info = cute.make_tensor(info_ptr, cute.make_layout((slots, INFO), stride=(INFO, 1)))
+    if tid == 0:
+        info[unit, 0] = cutlass.select_(has_work, req, Int32(-1))
+        info[unit, 1] = split
+        info[unit, 2] = splits
+        info[unit, 3] = first + tile
+        info[unit, 4] = tiles
+        info[unit, 5] = valid_rows
+        info[unit, 6] = out_base
+
+    if has_work:
+        c0, c1 = split_range(chunks, splits, split)
+        token_end = cutlass.min(c1 * CHUNK, length)
+        n_chunks = c1 - c0
+
+        smem = cutlass.memory.SmemAllocator()
+        ring = smem.allocate_tensor(
+            BFloat16, cute.make_layout((VEC, stages, CHUNK, PITCH // VEC),
+                                       stride=(1, CHUNK * PITCH, PITCH, VEC)), byte_alignment=128)
+        q_tile = smem.allocate_tensor(
+            BFloat16, cute.make_layout((VEC, tile_rows, PITCH // VEC), stride=(1, PITCH, VEC)), byte_alignment=128)
+        p_vecs = smem.allocate_tensor(
+            BFloat16, cute.make_layout((VEC, tile_rows, P_PITCH // VEC), stride=(1, P_PITCH, VEC)),
+            byte_alignment=128)
+        p_pairs = cute.make_tensor(p_vecs.iterator, cute.make_layout((2, tile_rows, P_PITCH // 2),
+                                                                     stride=(1, P_PITCH, 2)))
+        red_max = smem.allocate_tensor(Float32, cute.make_layout((WARPS, tile_rows), stride=(tile_rows, 1)),
+                                       byte_alignment=16)
+        red_sum = smem.allocate_tensor(Float32, cute.make_layout((WARPS, tile_rows), stride=(tile_rows, 1)),
+                                       byte_alignment=16)
+
+        g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
+                                  BFloat16, num_bits_per_copy=128)
+        ldsm = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), BFloat16)
+        ldsm_t = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), BFloat16)
+        mma = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+
+        # the query tile (padding rows repeat the last real query; they are never stored)
+        q_vecs = cute.make_tensor(q_ptr, cute.make_layout((VEC, rows * heads, ROW_VECS), stride=(1, ROW, VEC)))
+        for k in cutlass.range_constexpr(tile_rows * ROW_VECS // THREADS):
+            idx = tid + THREADS * k
+            row = idx // ROW_VECS
+            vec = idx - row * ROW_VECS
+            src_row = out_base + cutlass.min(row, valid_rows - 1)
+            cute.copy(g2s, q_vecs[None, src_row, vec], q_tile[None, row, vec])
+
+        cache_base = cache_ptr.toint()
+        table_row = req * max_blocks
+        phys = cute.make_rmem_tensor(cute.make_layout(CHUNK // WARPS), Int32)
+        for p in cutlass.range_constexpr(stages - 1):
+            if p < n_chunks:
+                _chunk_rows(phys, table, c0 + p, token_end, warp, table_row, num_blocks, block_size)
+                _issue_chunk(g2s, cache_base, phys, ring, Int32(p), warp, lane)
+            cute.arch.cp_async_commit_group()  # one group per stage, empty or not: uniform waits
+        _chunk_rows(phys, table, cutlass.min(c0 + stages - 1, c1 - 1), token_end, warp, table_row, num_blocks,
+                    block_size)
+
+        # per lane: rows 16·mt + 8·v1 + g of each tile; how far each may look (verify rows are causal)
+        limit = cute.make_rmem_tensor(cute.make_layout((2, m)), Int32)
+        for mt in cutlass.range_constexpr(m):
+            for v1 in cutlass.range_constexpr(2):
+                row = 16 * mt + 8 * v1 + g
+                token = (tile * tile_rows + row) // heads
+                causal = length - q + token + 1
+                limit[v1, mt] = cutlass.select_(row < valid_rows, cutlass.min(causal, token_end), token_end)
+        run_max = cute.make_rmem_tensor(cute.make_layout((2, m)), Float32)
+        run_sum = cute.make_rmem_tensor(cute.make_layout((2, m)), Float32)
+        rescale = cute.make_rmem_tensor(cute.make_layout((2, m)), Float32)
+        run_max.fill(-Float32.inf)
+        run_sum.fill(0.0)
+        acc_o = cute.make_rmem_tensor(cute.make_layout((4, m, WARP_COLS // 8)), Float32)
+        acc_o.fill(0.0)
+        acc_s = cute.make_rmem_tensor(cute.make_layout((4, m, sets)), Float32)
+        score = cute.make_rmem_tensor(cute.make_layout((4, m)), Float32)
+        q_frag = cute.make_rmem_tensor(cute.make_layout((VEC, m)), BFloat16)
+        k_frag = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
+        p_frag = cute.make_rmem_tensor(cute.make_layout((VEC, m)), BFloat16)
+        v_frag = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)  # two n8 tiles
+        p_pair = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
+
+        for it in cutlass.range(n_chunks):
+            cute.arch.cp_async_wait_group(stages - 2)
+            # chunk `it` landed for every thread; every warp is done with chunk it − 1 (its stage
+            # is refilled next) and with the previous weights and statistics
+            cute.arch.sync_threads()
+            ahead = it + stages - 1
+            if ahead < n_chunks:
+                _issue_chunk(g2s, cache_base, phys, ring, ahead % stages, warp, lane)
+                if ahead + 1 < n_chunks:
+                    _chunk_rows(phys, table, c0 + ahead + 1, token_end, warp, table_row, num_blocks, block_size)
+            cute.arch.cp_async_commit_group()
+            stage = it % stages
+
+            # scores of tokens 8w .. 8w+7: 18 blocks of 32 latent dims, two k16 atoms each
+            acc_s.fill(0.0)
+            for kb in cutlass.range_constexpr(ROW // 32):
+                cute.copy(ldsm, ring[None, stage, 8 * warp + lane % 8, 4 * kb + lane // 8], k_frag)
+                for a2 in cutlass.range_constexpr(2):
+                    atom = 2 * kb + a2
+                    for mt in cutlass.range_constexpr(m):
+                        cute.copy(ldsm, q_tile[None, 16 * mt + lane % 16, 2 * atom + lane // 16], q_frag[None, mt])
+                    _mma(mma, cute.make_tensor(acc_s.iterator + 4 * m * (atom % sets), cute.make_layout((4, m))),
+                         q_frag, cute.make_tensor(k_frag.iterator + 4 * a2, cute.make_layout(4)), m, 1)
+
+            # online softmax: chunk max across the four warps, weights, chunk sum
+            token0 = (c0 + it) * CHUNK + 8 * warp + 2 * c
+            for mt in cutlass.range_constexpr(m):
+                for v1 in cutlass.range_constexpr(2):
+                    best = -Float32.inf
+                    for v0 in cutlass.range_constexpr(2):
+                        total = acc_s[v0 + 2 * v1, mt, 0]
+                        for st in cutlass.range_constexpr(1, sets):
+                            total += acc_s[v0 + 2 * v1, mt, st]
+                        s2 = cutlass.select_(token0 + v0 < limit[v1, mt], total * SCALE_LOG2, -Float32.inf)
+                        score[v0 + 2 * v1, mt] = s2
+                        best = cute.arch.fmax(best, s2)
+                    best = _quad_max(best)
+                    if c == 0:
+                        red_max[warp, 16 * mt + 8 * v1 + g] = best
+            cute.arch.sync_threads()
+            for mt in cutlass.range_constexpr(m):
+                for v1 in cutlass.range_constexpr(2):
+                    row = 16 * mt + 8 * v1 + g
+                    chunk_max = red_max[0, row]
+                    for w in cutlass.range_constexpr(1, WARPS):
+                        chunk_max = cute.arch.fmax(chunk_max, red_max[w, row])
+                    new_max = cute.arch.fmax(run_max[v1, mt], chunk_max)
+                    # a row with nothing visible yet keeps max −inf; exp2 against 0 then gives 0s
+                    ref = cutlass.select_(new_max == -Float32.inf, Float32(0.0), new_max)
+                    rescale[v1, mt] = cute.math.exp2(run_max[v1, mt] - ref, fastmath=True)
+                    run_max[v1, mt] = new_max
+                    part = Float32(0.0)
+                    for v0 in cutlass.range_constexpr(2):
+                        p = cute.math.exp2(score[v0 + 2 * v1, mt] - ref, fastmath=True)
+                        part += p
+                        p_pair[v0] = p.to(BFloat16)
+                    cute.autovec_copy(p_pair, p_pairs[None, row, 4 * warp + c])
+                    part = _quad_sum(part)
+                    if c == 0:
+                        red_sum[warp, row] = part
+            cute.arch.sync_threads()
+            for mt in cutlass.range_constexpr(m):
+                for v1 in cutlass.range_constexpr(2):
+                    row = 16 * mt + 8 * v1 + g
+                    chunk_sum = red_sum[0, row]
+                    for w in cutlass.range_constexpr(1, WARPS):
+                        chunk_sum += red_sum[w, row]
+                    run_sum[v1, mt] = run_sum[v1, mt] * rescale[v1, mt] + chunk_sum
+                    for nt in cutlass.range_constexpr(WARP_COLS // 8):
+                        for v0 in cutlass.range_constexpr(2):
+                            acc_o[v0 + 2 * v1, mt, nt] = acc_o[v0 + 2 * v1, mt, nt] * rescale[v1, mt]
+
+            # O[:, 128w .. 128w+127] += P · V, V fragments transposed out of the same ring rows
+            for ka in cutlass.range_constexpr(CHUNK // 16):
+                for mt in cutlass.range_constexpr(m):
+                    cute.copy(ldsm, p_vecs[None, 16 * mt + lane % 16, 2 * ka + lane // 16], p_frag[None, mt])
+                for pair in cutlass.range_constexpr(WARP_COLS // 16):
+                    cute.copy(ldsm_t,
+                              ring[None, stage, 16 * ka + lane % 8 + 8 * ((lane // 8) % 2),
+                                   WARP_COLS // VEC * warp + 2 * pair + lane // 16],
+                              v_frag)
+                    _mma(mma, cute.make_tensor(acc_o.iterator + 8 * m * pair, cute.make_layout((4, m, 2))),
+                         p_frag, v_frag, m, 2)
+        cute.arch.cp_async_wait_group(0)
+
+        col0 = WARP_COLS * warp + 2 * c
+        if splits == 1:
+            out_pairs = cute.make_tensor(out_ptr, cute.make_layout((2, rows * heads, LATENT // 2),
+                                                                   stride=(1, LATENT, 2)))
+            o_pair = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
+            for mt in cutlass.range_constexpr(m):
+                for v1 in cutlass.range_constexpr(2):
+                    row = 16 * mt + 8 * v1 + g
+                    if row < valid_rows:
+                        total = run_sum[v1, mt]
+                        inv = cutlass.select_(total > 0.0, 1.0 / total, Float32(0.0))
+                        for nt in cutlass.range_constexpr(WARP_COLS // 8):
+                            for v0 in cutlass.range_constexpr(2):
+                                o_pair[v0] = (acc_o[v0 + 2 * v1, mt, nt] * inv).to(BFloat16)
+                            cute.autovec_copy(o_pair, out_pairs[None, out_base + row, (col0 + 8 * nt) // 2])
+        else:
+            ws_o = cute.make_tensor(ws_o_ptr, cute.make_layout((2, slots * tile_rows, LATENT // 2),
+                                                               stride=(1, LATENT, 2)))
+            ws_ml = cute.make_tensor(ws_ml_ptr, cute.make_layout((slots * tile_rows, 2), stride=(2, 1)))
+            o_pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+            for mt in cutlass.range_constexpr(m):
+                for v1 in cutlass.range_constexpr(2):
+                    row = 16 * mt + 8 * v1 + g
+                    if row < valid_rows:
+                        for nt in cutlass.range_constexpr(WARP_COLS // 8):
+                            for v0 in cutlass.range_constexpr(2):
+                                o_pair[v0] = acc_o[v0 + 2 * v1, mt, nt]
+                            cute.autovec_copy(o_pair, ws_o[None, unit * tile_rows + row, (col0 + 8 * nt) // 2])
+                        if warp == 0:  # every warp holds the same statistics
+                            if c == 0:
+                                ws_ml[unit * tile_rows + row, 0] = run_max[v1, mt]
+                                ws_ml[unit * tile_rows + row, 1] = run_sum[v1, mt]
+
+
+@cute.jit
+def _mla_decode_host(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointer,
+                     lens_ptr: cute.Pointer, starts_ptr: cute.Pointer, out_ptr: cute.Pointer,
+                     ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, info_ptr: cute.Pointer,
+                     rows: Int32, requests: Int32, num_blocks: Int32, max_blocks: Int32, slots: Int32,
+                     target: Int32, min_chunks: Int32, stream: cuda.CUstream, plan: Constexpr):
+    _mla_decode_kernel(q_ptr, cache_ptr, table_ptr, lens_ptr, starts_ptr, out_ptr, ws_o_ptr, ws_ml_ptr, info_ptr,
+                       rows, requests, num_blocks, max_blocks, slots, target, min_chunks, plan).launch(
+        grid=(slots, 1, 1), block=(THREADS, 1, 1), stream=stream)
+
+
+def _ptr(dtype: Any, address: int, align: int = 16) -> cute.Pointer:
+    return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def compile_mla_decode(plan: DecodePlan, arch: str, ptx_dir: str | None = None) -> Any:
+    """Compile one variant for `arch` ('sm_90a', 'sm_100a', 'sm_103a'); needs no GPU. With `ptx_dir`
+    the PTX is kept (written there, and in the result's `artifacts.PTX`)."""
+    bf, i32, f32 = _ptr(BFloat16, 16), _ptr(Int32, 16, 4), _ptr(Float32, 16)
+    return cute.compile(_mla_decode_host, bf, bf, i32, i32, i32, bf, f32, f32, i32,
+                        Int32(1), Int32(1), Int32(2), Int32(1), Int32(1), Int32(1), Int32(1),
+                        cute.runtime.make_fake_stream(), plan,
+                        options=f"--gpu-arch {arch}" + (f" --keep-ptx --dump-dir {ptx_dir}" if ptx_dir else ""))
+
+
+# ---------------------------------------------------------------- host side
+
+
+def _need(cond: bool, msg: str) -> None:
+    if not cond:
+        raise MlaDecodeEnvelopeError(f"mla_decode: {msg}")
+
+
+def check_envelope(q_lat: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+                   query_start: torch.Tensor, max_q: int, out: torch.Tensor | None) -> None:
+    """Raise MlaDecodeEnvelopeError naming what is outside the envelope (no GPU work)."""
+    named = {"q_lat": q_lat, "cache": cache, "block_table": block_table, "seq_lens": seq_lens,
+             "query_start": query_start}
+    for name, t in named.items():
+        _need(isinstance(t, torch.Tensor), f"{name} must be a torch tensor, got {type(t).__name__}")
+    _need(q_lat.dim() == 3 and q_lat.shape[2] == ROW,
+          f"q_lat must be [rows, heads, {ROW}] ([ql | q_pe] per head), got {tuple(q_lat.shape)}")
+    rows, heads, _ = q_lat.shape
+    _need(1 <= heads <= MAX_HEADS, f"heads={heads} is outside 1..{MAX_HEADS}")
+    _need(cache.dim() == 3 and cache.shape[2] == ROW and cache.shape[0] >= 1 and cache.shape[1] >= 1,
+          f"cache must be [num_blocks, block_size, {ROW}] ([c | k_pe] rows), got {tuple(cache.shape)}")
+    _need(q_lat.dtype == torch.bfloat16 and cache.dtype == torch.bfloat16,
+          f"q_lat and cache must be bfloat16, got {q_lat.dtype} and {cache.dtype}; FP8 caches are not supported")
+    _need(block_table.dim() == 2 and block_table.shape[1] >= 1,
+          f"block_table must be [requests, max_blocks], got {tuple(block_table.shape)}")
+    requests = block_table.shape[0]
+    _need(1 <= requests <= MAX_REQUESTS,
+          f"{requests} requests is outside 1..{MAX_REQUESTS}; split the batch into chunks of <= {MAX_REQUESTS}")
+    _need(seq_lens.shape == (requests,), f"seq_lens must be [{requests}] (one per block-table row), "
+          f"got {tuple(seq_lens.shape)}")
+    _need(query_start.shape == (requests + 1,), f"query_start must be [{requests + 1}] (row offsets of the "
+          f"requests, then the end), got {tuple(query_start.shape)}")
+    for name in ("block_table", "seq_lens", "query_start"):
+        _need(named[name].dtype == torch.int32, f"{name} must be int32, got {named[name].dtype}")
+    _need(isinstance(max_q, int) and 1 <= max_q <= MAX_Q,
+          f"max_q={max_q!r} (tokens per request in the step) must be an int in 1..{MAX_Q}")
+    _need(1 <= rows <= requests * max_q,
+          f"q_lat has {rows} rows but {requests} requests of <= {max_q} tokens hold at most {requests * max_q}")
+    _need(cache.shape[0] * cache.shape[1] < 2 ** 31, "cache holds 2^31 rows or more; use a smaller pool")
+    if out is not None:
+        _need(isinstance(out, torch.Tensor) and out.shape == (rows, heads, LATENT) and out.dtype == torch.bfloat16,
+              f"out must be a [{rows}, {heads}, {LATENT}] bfloat16 tensor, got "
+              f"{tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__}"
+              f"{'' if not isinstance(out, torch.Tensor) else ' ' + str(out.dtype)}")
+        named["out"] = out
+    for name, t in named.items():
+        _need(t.is_contiguous(), f"{name} must be contiguous; call .contiguous()")
+    for name, t in named.items():
+        _need(t.device.type == "cuda", f"{name} must be a CUDA tensor, got one on {t.device}")
+    _need(len({t.device for t in named.values()}) == 1, f"{', '.join(named)} must all be on one device")
+    _need(all(t.data_ptr() % 16 == 0 for t in named.values()), "all tensors must be 16-byte aligned "
+          "(fresh allocations are)")
+
+
+def default_target(sm_count: int) -> int:
+    """Work units to aim for: four waves of one CTA per SM. One request gets up to that many
+    splits (a long one fills every SM); many requests of unequal length split finely enough
+    that the last wave is short. The partials of the extra splits stay in L2."""
+    return 4 * sm_count
+
+
+MIN_CHUNKS = 4  # the fewest chunks (128 tokens, 147 KB) worth a split, its partial and its prologue
+
+
+class _DeviceState:
+    """Per-device facts and the shared split workspaces."""
+
+    def __init__(self, device: torch.device) -> None:
+        major, minor = torch.cuda.get_device_capability(device)
+        self.arch = f"sm_{major}{minor}a"
+        self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+        self.device = device
+        self._scratch: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def scratch(self, slots: int, tile_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """FP32 partial outputs [slots, tile_rows, 512], their (max, sum) [slots, tile_rows, 2]
+        and the per-slot records [slots, INFO] int32: one set per grid shape, kept for the
+        process (captured graphs point at them; the kernels rewrite what they read)."""
+        key = (slots, tile_rows)
+        if key not in self._scratch:
+            self._scratch[key] = (
+                torch.empty(slots * tile_rows * LATENT, dtype=torch.float32, device=self.device),
+                torch.empty(slots * tile_rows * 2, dtype=torch.float32, device=self.device),
+                torch.empty(slots * INFO, dtype=torch.int32, device=self.device),
+            )
+        return self._scratch[key]
+
+
+_DEVICES: dict[torch.device, _DeviceState] = {}
+_COMPILED: dict[tuple[DecodePlan, str], Any] = {}
+
+
+def _device_state(device: torch.device) -> _DeviceState:
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _DEVICES:
+        _DEVICES[device] = _DeviceState(device)
+    return _DEVICES[device]
+
+
+def launch(q_lat: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
+           query_start: torch.Tensor, max_q: int, out: torch.Tensor | None = None, *,
+           stream: torch.cuda.Stream | None = None, plan: DecodePlan | None = None, target: int | None = None,
+           min_chunks: int = MIN_CHUNKS) -> torch.Tensor:
+    """ol [rows, heads, 512] bf16 (module docstring) into `out` (allocated when None) on `stream`.
+
+    Runs the split kernel and, on the same stream, the combine (`mla_combine.launch`). The first
+    call of a variant compiles (seconds); later calls only launch. `plan`, `target` (work units
+    to aim for) and `min_chunks` override the defaults (benchmarks compare them).
+    """
+    check_envelope(q_lat, cache, block_table, seq_lens, query_start, max_q, out)
+    rows, heads, _ = q_lat.shape
+    requests, max_blocks = block_table.shape
+    num_blocks, block_size, _ = cache.shape
+    plan = plan or choose_plan(heads, max_q, block_size)
+    _need(plan.heads == heads and plan.max_q == max_q and plan.block_size == block_size,
+          f"{plan} does not match heads={heads}, max_q={max_q}, block_size={block_size}")
+    _need(plan.smem_bytes <= SMEM_PER_CTA, f"{plan} needs {plan.smem_bytes} B of shared memory per CTA, "
+          f"more than {SMEM_PER_CTA}; use fewer stages")
+    positions = max_blocks * block_size
+    _need(positions <= 2 ** 30 and requests * -(-positions // CHUNK) * plan.max_tiles < 2 ** 31,
+          f"block_table covers {positions} positions per request, too many for the int32 schedule; "
+          "shorten max_blocks")
+    dev = _device_state(q_lat.device)
+    target = target or default_target(dev.sm_count)
+    _need(target >= 1 and min_chunks >= 1, f"target={target} and min_chunks={min_chunks} must be >= 1")
+    slots = grid_size(plan, requests, target)
+    key = (plan, dev.arch)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        fn = _COMPILED[key] = compile_mla_decode(plan, dev.arch)
+    ws_o, ws_ml, info = dev.scratch(slots, plan.tile_rows)
+    if out is None:
+        out = torch.empty((rows, heads, LATENT), dtype=torch.bfloat16, device=q_lat.device)
+    stream = torch.cuda.current_stream(q_lat.device) if stream is None else stream
+    cu_stream = cuda.CUstream(stream.cuda_stream)
+    fn(_ptr(BFloat16, q_lat.data_ptr()), _ptr(BFloat16, cache.data_ptr()), _ptr(Int32, block_table.data_ptr(), 4),
+       _ptr(Int32, seq_lens.data_ptr(), 4), _ptr(Int32, query_start.data_ptr(), 4), _ptr(BFloat16, out.data_ptr()),
+       _ptr(Float32, ws_o.data_ptr()), _ptr(Float32, ws_ml.data_ptr()), _ptr(Int32, info.data_ptr(), 4),
+       rows, requests, num_blocks, max_blocks, slots, target, min_chunks, cu_stream)
+    mla_combine.launch(ws_o, ws_ml, info, out, slots, plan.tile_rows, dev.arch, cu_stream)
+    return out

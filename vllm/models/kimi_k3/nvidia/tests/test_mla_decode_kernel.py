@@ -1,0 +1,507 @@
+"""MLA decode attention kernels (kernels/mla_decode.py + mla_combine.py) against reference/mla.py.
+
+The oracle is `reference/mla.py::attend_absorbed`, read up to its latent output: with W_UV = I
+(512 × 512 per head) its output is ol itself (one exact product per element), and the kernel's
+input q_lat = [bf16(q_nope · W_UK) | q_pe] is formed exactly as attend_absorbed forms it.
+
+CPU: envelope errors (raised before any CUDA use); the split schedule (every chunk of every
+query tile covered once, the grid bound, one long request filling the GPU, every length
+running); the split / combine algorithm modelled on the schedule against the oracle; compile
+checks for sm_90a, sm_100a and sm_103a whose PTX must show the design (mma.sync m16n8k16,
+ldmatrix and ldmatrix.trans, 16-byte cp.async, ex2, no local memory) and, where ptxas is on
+PATH, no register spills. GPU (marker `gpu`): batches mixing lengths (1, 2, 7, block
+boundaries, 4097, 65536, one >= 262144), q = 1 and 8 and mixed, heads 6 / 12 / 96, block sizes
+16 / 64 / 128, four input distributions, adversarial scores (one huge logit, all equal, very
+negative) with many splits and none, NaN-poisoned outputs, ‖out − ref‖ / ‖ref‖ under a bound;
+bit-identical repeats; CUDA-graph replay after the lengths change on the device. With
+K3_EVIDENCE_DIR set the GPU results are written there as a "kernel-test" record.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import random
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install nvidia-cutlass-dsl==4.8.1)")
+
+from vllm.models.kimi_k3.nvidia.kernels import mla_combine, mla_decode  # noqa: E402
+from vllm.models.kimi_k3.nvidia.kernels.mla_decode import CHUNK, DecodePlan, schedule  # noqa: E402
+from vllm.models.kimi_k3.nvidia.latency_specialized.evidence import write_record  # noqa: E402
+from vllm.models.kimi_k3.nvidia.reference.mla import attend_absorbed  # noqa: E402
+from vllm.models.kimi_k3.nvidia.reference.ops import acc_dtype  # noqa: E402
+
+BF16 = torch.bfloat16
+R_KV, D_R, D_N = 512, 64, 128
+ROW = R_KV + D_R
+# bf16 weights p in P·V (2^-9 relative each) and the bf16 output rounding: 3e-4 .. 1.9e-3 in
+# the CPU model below (four distributions); the bound leaves room for the GPU's FP32 orders
+REL_ERR_BOUND = 5e-3
+SOURCES = ("vllm/models/kimi_k3/nvidia/kernels/mla_decode.py",
+           "vllm/models/kimi_k3/nvidia/kernels/mla_combine.py",
+           "vllm/models/kimi_k3/nvidia/tests/test_mla_decode_kernel.py")
+
+
+def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300))
+
+
+# ---------------------------------------------------------------- problem construction
+
+
+def _draw(kind: str, shape: tuple[int, ...], gen: torch.Generator, device: str) -> torch.Tensor:
+    """FP32 draws: normal, heavy-tailed (Student t, 3 dof), or plain normal for the scaled kinds."""
+    z = torch.randn(shape, generator=gen, device=device)
+    if kind == "heavy_tailed":
+        chi2 = sum(torch.randn(shape, generator=gen, device=device) ** 2 for _ in range(3))
+        z = z / (chi2 / 3).sqrt().clamp_min(1e-3)
+    return z
+
+
+# cache scale and query scale: "large" / "tiny" move the values, not the conditioning of the
+# scores (a 3e3-scaled key *and* query would make near-ties of 1e7-sized logits rounding noise)
+SCALES = {"normal": (1.0, 1.0), "heavy_tailed": (1.0, 1.0), "large": (3e3, 1 / 3e3), "tiny": (1e-4, 1e4)}
+DISTRIBUTIONS = tuple(SCALES)
+
+
+class Batch:
+    """A paged cache with shuffled blocks (block 0 is the null block), block tables padded with
+    the null block, the step's queries (q_nope, q_pe, W_UK and the kernel's q_lat) and metadata."""
+
+    def __init__(self, lengths: list[int], q_lens: list[int], heads: int, block_size: int, dist: str,
+                 seed: int, device: str, adversarial: str | None = None, capacity: list[int] | None = None):
+        gen = torch.Generator(device=device).manual_seed(seed)
+        self.lengths, self.q_lens, self.heads, self.block_size = lengths, q_lens, heads, block_size
+        self.max_q = max(q_lens)
+        kv_scale, q_scale = SCALES[dist]
+        need = [-(-max(n, c) // block_size) for n, c in zip(lengths, capacity or lengths)]
+        max_blocks = max(need) + 1  # one spare entry that must never be read
+        perm = torch.randperm(sum(need), generator=torch.Generator().manual_seed(seed)) + 1
+        table = torch.zeros(len(lengths), max_blocks, dtype=torch.int32)
+        at = 0
+        for r, n in enumerate(need):
+            table[r, :n] = perm[at:at + n].to(torch.int32)
+            at += n
+        self.cache = (_draw(dist, (1 + sum(need), block_size, ROW), gen, device) * kv_scale).to(BF16)
+        self.block_table = table.to(device)
+        rows = sum(q_lens)
+        self.q_nope = (_draw(dist, (rows, heads, D_N), gen, device) * q_scale).to(BF16)
+        self.q_pe = (_draw(dist, (rows, heads, D_R), gen, device) * q_scale).to(BF16)
+        self.w_uk = (torch.randn(heads, D_N, R_KV, generator=gen, device=device) / math.sqrt(D_N)).to(BF16)
+        if adversarial is not None:
+            self._make_adversarial(adversarial, gen)
+        acc = acc_dtype(self.q_nope)
+        ql = torch.einsum("nhd,hdr->nhr", self.q_nope.to(acc), self.w_uk.to(acc)).to(BF16)
+        self.q_lat = torch.cat([ql, self.q_pe], dim=-1).contiguous()
+        self.seq_lens = torch.tensor(lengths, dtype=torch.int32, device=device)
+        self.query_start = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=device)
+
+    def _make_adversarial(self, kind: str, gen: torch.Generator) -> None:
+        """Every head and query shares one direction d (W_UK and q_nope repeated), so the cache
+        can be aimed at all of them: one row along +d (one huge logit), every row with the same
+        score (equal logits: ql = 0, one shared k_pe), or every row along −d (very negative)."""
+        heads, dev = self.heads, self.cache.device
+        self.w_uk = self.w_uk[:1].expand(heads, -1, -1).contiguous()
+        self.q_nope = self.q_nope[:1, :1].expand_as(self.q_nope).contiguous()
+        self.q_pe = self.q_pe[:1, :1].expand_as(self.q_pe).contiguous()
+        if kind == "equal":
+            self.q_nope.zero_()
+            self.cache[..., R_KV:] = self.cache[1, 0, R_KV:]
+            return
+        acc = acc_dtype(self.q_nope)
+        d = torch.cat([torch.einsum("d,dr->r", self.q_nope[0, 0].to(acc), self.w_uk[0].to(acc)),
+                       self.q_pe[0, 0].to(acc)]).sign().to(torch.float32)
+        noise = torch.randn(self.cache.shape, generator=gen, device=dev)
+        if kind == "huge":
+            # the huge row sits in the last block of request 0, i.e. in its last split
+            last = int(self.block_table[0, -(-self.lengths[0] // self.block_size) - 1])
+            self.cache[last, (self.lengths[0] - 1) % self.block_size] = (32 * d).to(BF16)
+        elif kind == "negative":
+            self.cache.copy_((-32 * d + noise).to(BF16))
+        else:
+            raise ValueError(kind)
+
+    def rows_of(self, r: int) -> slice:
+        start = sum(self.q_lens[:r])
+        return slice(start, start + self.q_lens[r])
+
+    def kv_of(self, r: int) -> torch.Tensor:
+        n, bs = self.lengths[r], self.block_size
+        pos = torch.arange(n, device=self.cache.device)
+        return self.cache[self.block_table[r].long()[pos // bs], pos % bs]
+
+    def reference(self, r: int) -> torch.Tensor:
+        """attend_absorbed with W_UV = I: the latent output ol of request r's rows."""
+        eye = torch.eye(R_KV, dtype=BF16, device=self.cache.device).expand(self.heads, R_KV, R_KV)
+        rows = self.rows_of(r)
+        q = torch.cat([self.q_nope[rows], self.q_pe[rows]], dim=-1)
+        return attend_absorbed(q, self.kv_of(r), self.w_uk, eye)
+
+
+# ---------------------------------------------------------------- envelope (CPU)
+
+
+def _ok_inputs():
+    b = Batch([5, 9], [1, 1], 6, 16, "normal", 0, "cpu")
+    return {"q_lat": b.q_lat, "cache": b.cache, "block_table": b.block_table, "seq_lens": b.seq_lens,
+            "query_start": b.query_start, "max_q": 1}
+
+
+@pytest.mark.parametrize("case, match", [
+    ("q_width", "q_lat must be [rows, heads, 576]"),
+    ("q_dtype", "must be bfloat16"),
+    ("cache_width", "cache must be [num_blocks, block_size, 576]"),
+    ("table_dtype", "block_table must be int32"),
+    ("lens_shape", "seq_lens must be [2]"),
+    ("starts_shape", "query_start must be [3]"),
+    ("max_q", "max_q=9"),
+    ("too_many_rows", "at most 2"),
+    ("requests", "65 requests"),
+    ("noncontig", "cache must be contiguous"),
+    ("out", "out must be a [2, 6, 512] bfloat16 tensor"),
+    ("cpu", "must be a CUDA tensor"),
+])
+def test_envelope_errors(case, match):
+    kw = _ok_inputs()
+    out = None
+    if case == "q_width":
+        kw["q_lat"] = kw["q_lat"][..., :512].contiguous()
+    elif case == "q_dtype":
+        kw["q_lat"] = kw["q_lat"].float()
+    elif case == "cache_width":
+        kw["cache"] = kw["cache"][..., :512].contiguous()
+    elif case == "table_dtype":
+        kw["block_table"] = kw["block_table"].long()
+    elif case == "lens_shape":
+        kw["seq_lens"] = kw["seq_lens"][:1]
+    elif case == "starts_shape":
+        kw["query_start"] = kw["query_start"][:2]
+    elif case == "max_q":
+        kw["max_q"] = 9
+    elif case == "too_many_rows":
+        kw["q_lat"] = torch.cat([kw["q_lat"]] * 2)
+    elif case == "requests":
+        kw["block_table"] = torch.zeros(65, 2, dtype=torch.int32)
+        kw["seq_lens"] = torch.ones(65, dtype=torch.int32)
+        kw["query_start"] = torch.arange(66, dtype=torch.int32)
+    elif case == "noncontig":
+        kw["cache"] = kw["cache"].transpose(0, 1)
+    elif case == "out":
+        out = torch.empty(2, 6, 128, dtype=BF16)
+    with pytest.raises(mla_decode.MlaDecodeEnvelopeError, match=re.escape(match)):
+        mla_decode.launch(**kw, out=out)
+
+
+# ---------------------------------------------------------------- the schedule (CPU)
+
+
+def _plan(heads: int, max_q: int, block_size: int = 64) -> DecodePlan:
+    return mla_decode.choose_plan(heads, max_q, block_size)
+
+
+def _check_cover(lengths, q_lens, plan, target, min_chunks):
+    """Run the host schedule and check it: units in slot order within the grid bound, no empty
+    split, and the splits of every query tile of every request tiling its chunks exactly."""
+    starts = [0, *itertools.accumulate(q_lens)]
+    units = schedule(lengths, starts, starts[-1], 1 << 30, plan, target, min_chunks)
+    assert len(units) <= mla_decode.grid_size(plan, len(lengths), target)
+    assert [u.slot for u in units] == list(range(len(units)))
+    ranges: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    for u in units:
+        assert 0 <= u.chunk_begin < u.chunk_end, u
+        assert u.token_end == min(u.chunk_end * CHUNK, lengths[u.request])
+        ranges.setdefault((u.request, u.tile), []).append((u.chunk_begin, u.chunk_end))
+    for r, (n, q) in enumerate(zip(lengths, q_lens)):
+        for t in range(-(-plan.heads * q // plan.tile_rows) if n > 0 else 0):
+            spans = sorted(ranges.pop((r, t)))
+            assert spans[0][0] == 0 and spans[-1][1] == -(-n // CHUNK), (r, t)
+            assert all(a[1] == b[0] for a, b in itertools.pairwise(spans)), (r, t)
+    assert not ranges
+    return units
+
+
+@pytest.mark.parametrize("heads, max_q", [(6, 1), (12, 1), (12, 8), (96, 8)])
+def test_schedule_covers_every_chunk_once(heads, max_q):
+    rnd = random.Random(heads * 10 + max_q)
+    plan = _plan(heads, max_q)
+    for _ in range(25):
+        requests = rnd.randint(1, 64)
+        lengths = [rnd.choice([0, 1, 2, 7, 31, 32, 33, 64, 4097, 65536, rnd.randint(1, 300000)])
+                   for _ in range(requests)]
+        q_lens = [rnd.randint(1, max_q) for _ in range(requests)]
+        lengths = [max(n, q) if n else 0 for n, q in zip(lengths, q_lens)]
+        for target, min_chunks in ((1, 1), (528, 4), (4096, 1)):
+            _check_cover(lengths, q_lens, plan, target, min_chunks)
+
+
+def test_every_length_runs_and_one_long_request_fills_the_gpu():
+    plan = _plan(12, 1)
+    target = mla_decode.default_target(132)
+    for n in list(range(1, 300)) + [4096, 4097, 65536, 262151, mla_decode.MAX_CONTEXT]:
+        units = _check_cover([n], [1], plan, target, mla_decode.MIN_CHUNKS)
+        assert units and units[-1].token_end == n
+    units = _check_cover([mla_decode.MAX_CONTEXT], [1], plan, target, mla_decode.MIN_CHUNKS)
+    assert 132 <= len(units) <= target  # every SM busy, and no partial last wave beyond the target
+    sizes = {u.chunk_end - u.chunk_begin for u in units}
+    assert max(sizes) - min(sizes) <= 1  # balanced splits
+
+
+def test_schedule_clamps_bad_metadata_into_bounds():
+    plan = _plan(6, 2)
+    # negative length, rows past the batch, a length beyond the table's capacity
+    units = schedule([-5, 40, 10_000], [0, 2, 3, 9], 4, 256, plan, 8, 1)
+    assert {u.request for u in units} == {1, 2}
+    assert max(u.token_end for u in units if u.request == 2) == 256
+    assert all(u.tile < -(-plan.heads * 1 // plan.tile_rows) for u in units if u.request == 2)
+
+
+# ---------------------------------------------------------------- the algorithm, modelled (CPU)
+
+
+def _model(b: Batch, plan: DecodePlan, target: int, min_chunks: int) -> torch.Tensor:
+    """The kernels' arithmetic on the schedule: per split, chunk-wise online softmax in FP32 with
+    the weights rounded to bf16, unnormalized partials, then the log-sum-exp merge."""
+    starts = b.query_start.tolist()
+    cap = b.block_table.shape[1] * b.block_size
+    units = schedule(b.lengths, starts, starts[-1], cap, plan, target, min_chunks)
+    flat_q = b.q_lat.view(-1, ROW).float()
+    partial: dict[tuple[int, int], list] = {}
+    for u in units:
+        length, q = b.lengths[u.request], b.q_lens[u.request]
+        kv = b.kv_of(u.request).float()
+        first = starts[u.request] * b.heads + u.tile * plan.tile_rows
+        rows = min(plan.tile_rows, b.heads * q - u.tile * plan.tile_rows)
+        qt = flat_q[first:first + rows]
+        limit = torch.tensor([min(u.token_end, length - q + (u.tile * plan.tile_rows + i) // b.heads + 1)
+                              for i in range(rows)])
+        run_max = torch.full((rows,), -math.inf)
+        run_sum = torch.zeros(rows)
+        acc = torch.zeros(rows, R_KV)
+        for ci in range(u.chunk_begin, u.chunk_end):
+            tok = torch.arange(ci * CHUNK, (ci + 1) * CHUNK)
+            rows_kv = kv[tok.clamp(max=u.token_end - 1)]
+            s2 = (qt @ rows_kv.T) * mla_decode.SCALE_LOG2
+            s2 = s2.masked_fill(tok[None, :] >= limit[:, None], -math.inf)
+            new_max = torch.maximum(run_max, s2.max(dim=1).values)
+            ref = torch.where(new_max == -math.inf, torch.zeros(()), new_max)
+            p = torch.exp2(s2 - ref[:, None])
+            scale = torch.exp2(run_max - ref)
+            run_sum = run_sum * scale + p.sum(dim=1)
+            acc = acc * scale[:, None] + p.to(BF16).float() @ rows_kv[:, :R_KV]
+            run_max = new_max
+        partial.setdefault((u.request, u.tile), []).append((run_max, run_sum, acc, first, rows))
+    out = torch.full((starts[-1] * b.heads, R_KV), float("nan"))
+    for parts in partial.values():
+        m = torch.stack([p[0] for p in parts])
+        top = m.max(dim=0).values
+        w = torch.exp2(m - torch.where(top == -math.inf, torch.zeros(()), top))
+        total = (w * torch.stack([p[1] for p in parts])).sum(0)
+        o = (w[..., None] * torch.stack([p[2] for p in parts])).sum(0)
+        first, rows = parts[0][3], parts[0][4]
+        out[first:first + rows] = torch.where(total[:, None] > 0, o / total[:, None], torch.zeros(()))
+    return out.view(starts[-1], b.heads, R_KV).to(BF16)
+
+
+@pytest.mark.parametrize("heads, q_lens, target, min_chunks", [
+    (6, [1, 1, 1], 1, 1),  # one split per request: the direct write
+    (6, [1, 1, 1], 64, 1),  # many splits, most of them one chunk
+    (12, [8, 3], 16, 1),  # verify rows across splits, two query tiles
+    (12, [2, 8], 5, 2),
+])
+def test_split_algorithm_matches_reference(heads, q_lens, target, min_chunks):
+    lengths = [max(q, n) for q, n in zip(q_lens, [97, 33, 130][:len(q_lens)])]
+    b = Batch(lengths, q_lens, heads, 16, "normal", 3 + heads, "cpu")
+    plan = _plan(heads, max(q_lens), 16)
+    out = _model(b, plan, target, min_chunks)
+    assert not torch.isnan(out).any()
+    for r in range(len(lengths)):
+        assert _rel_err(out[b.rows_of(r)], b.reference(r)) < REL_ERR_BOUND
+
+
+# ---------------------------------------------------------------- compile checks (CPU)
+
+COMPILE_PLANS = [  # plain decode at TP8 (one tile), verify at TP8 (two tiles, 16-token blocks): each arch
+    # compiles one of them (a compile takes seconds); the GPU tests compile the rest
+    DecodePlan(heads=12, max_q=1, block_size=64, m_tiles=1, stages=4),
+    DecodePlan(heads=12, max_q=8, block_size=16, m_tiles=2, stages=4),
+]
+
+
+def _spills(ptx: str, arch: str, tmp_path) -> str | None:
+    """ptxas's resource line for the PTX, or None when no ptxas is on PATH."""
+    ptxas = shutil.which("ptxas")
+    if ptxas is None:
+        return None
+    src = tmp_path / "k.ptx"
+    src.write_text(ptx)
+    res = subprocess.run([ptxas, f"-arch={arch}", "-v", str(src), "-o", str(tmp_path / "k.cubin")],
+                         check=False, capture_output=True, text=True, timeout=120)
+    return res.stderr if res.returncode == 0 else None
+
+
+@pytest.mark.parametrize("plan, arch", [(COMPILE_PLANS[1], "sm_90a"), (COMPILE_PLANS[0], "sm_100a"),
+                                        (COMPILE_PLANS[0], "sm_103a")],
+                         ids=["tp8_q8-sm_90a", "tp8_q1-sm_100a", "tp8_q1-sm_103a"])
+def test_decode_compiles_for_arch(plan, arch, tmp_path):
+    ptx = mla_decode.compile_mla_decode(plan, arch, ptx_dir=str(tmp_path)).artifacts.PTX
+    assert f".target {arch}" in ptx
+    mmas = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx))
+    # per chunk: 36 k-atoms of scores and 2 × 16 of P·V per 16-row tile
+    assert mmas == plan.m_tiles * (36 + 32)
+    assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx  # V straight from the ring
+    assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx
+    assert "cp.async.cg.shared.global" in ptx and ", 16, 16;" in ptx  # 16-byte async copies
+    assert "cp.async.wait_group" in ptx and "ex2.approx" in ptx
+    assert "vote.sync.ballot" in ptx  # the on-device schedule
+    assert not re.search(r"\b(ld|st)\.local", ptx), "registers spilled to local memory"
+    report = _spills(ptx, arch, tmp_path)
+    if report is not None:
+        assert "0 bytes spill stores" in report, report
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
+def test_combine_compiles_for_arch(arch, tmp_path):
+    ptx = mla_combine.compile_mla_combine(32, arch, ptx_dir=str(tmp_path)).artifacts.PTX
+    assert f".target {arch}" in ptx
+    assert len(re.findall(r"ld\.global\.v4\.b32", ptx)) == mla_combine.UNROLL  # a batch of splits in flight
+    assert "ex2.approx" in ptx and "cvt.rn.bf16x2.f32" in ptx
+    assert not re.search(r"\b(ld|st)\.local", ptx)
+
+
+# ---------------------------------------------------------------- GPU checks
+
+
+@pytest.fixture(scope="module")
+def evidence():
+    results: list[dict] = []
+    yield results
+    where = os.environ.get("K3_EVIDENCE_DIR")
+    if where and results:
+        write_record(os.path.join(where, "mla_decode_test.json"), "kernel-test", "mla",
+                     "K3_EVIDENCE_DIR=<dir> python -m pytest -q -m gpu "
+                     "vllm/models/kimi_k3/nvidia/tests/test_mla_decode_kernel.py",
+                     SOURCES, results,
+                     targets=[{"name": "rel_err below bound, every element written, on every case",
+                               "target": "all pass",
+                               "value": sum(r["status"] == "pass" for r in results) / len(results),
+                               "met": all(r["status"] == "pass" for r in results)}],
+                     extra={"rel_err_bound": REL_ERR_BOUND})
+
+
+def _run_case(name: str, b: Batch, evidence: list, **launch_kw) -> list[str]:
+    """Launch on a NaN-poisoned output, compare each request with the oracle, record the case."""
+    out = torch.full((b.q_lat.shape[0], b.heads, R_KV), float("nan"), dtype=BF16, device="cuda")
+    mla_decode.launch(b.q_lat, b.cache, b.block_table, b.seq_lens, b.query_start, b.max_q, out, **launch_kw)
+    torch.cuda.synchronize()
+    unwritten = int(torch.isnan(out).sum())
+    errs = [_rel_err(out[b.rows_of(r)], b.reference(r)) for r in range(len(b.lengths))]
+    worst = max(errs)
+    ok = unwritten == 0 and worst < REL_ERR_BOUND
+    evidence.append({"name": name, "status": "pass" if ok else "fail", "rel_err": worst,
+                     "unwritten": unwritten,
+                     "shape": {"heads": b.heads, "block_size": b.block_size, "lengths": b.lengths,
+                               "q": b.q_lens, **{k: v for k, v in launch_kw.items()}}})
+    if ok:
+        return []
+    per_request = ", ".join(f"{e:.1e}" for e in errs)
+    return [f"{name}: worst rel_err {worst:.2e} (bound {REL_ERR_BOUND:.0e}; per request {per_request}), "
+            f"{unwritten} NaN left"]
+
+
+MIXED = {1: [1, 2, 7, 63, 64, 65, 4097, 65536], 8: [8, 9, 64, 65, 4097, 65536]}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", [6, 12, 96])
+@pytest.mark.parametrize("q", [1, 8])
+def test_mixed_lengths_match_reference(heads, q, evidence):
+    torch.backends.cuda.matmul.allow_tf32 = False
+    lengths = MIXED[q]
+    failures = []
+    for i, dist in enumerate(DISTRIBUTIONS):
+        b = Batch(lengths, [q] * len(lengths), heads, 64, dist, 100 * heads + 10 * q + i, "cuda")
+        failures += _run_case(f"mixed h={heads} q={q} {dist}", b, evidence)
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block_size", [16, 128])
+def test_mixed_tokens_per_request_and_block_sizes(block_size, evidence):
+    q_lens = [1, 3, 8, 2, 8, 5, 1]
+    lengths = [1, 3, 4097, 33, 200, 65536, 129]
+    b = Batch(lengths, q_lens, 12, block_size, "normal", block_size, "cuda")
+    failures = _run_case(f"mixed q, block_size={block_size}", b, evidence)
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, q", [(12, 1), (12, 8), (6, 8)])
+def test_long_context(heads, q, evidence):
+    b = Batch([262144 + 37], [q], heads, 64, "normal", 7 + q, "cuda")
+    failures = _run_case(f"long 262181 h={heads} q={q}", b, evidence)
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.gpu
+def test_sixty_four_requests(evidence):
+    rnd = random.Random(64)
+    lengths = [rnd.choice([1, 5, 64, 65, 1000, 4097, 20000]) for _ in range(64)]
+    b = Batch(lengths, [1] * 64, 12, 64, "heavy_tailed", 64, "cuda")
+    failures = _run_case("64 requests", b, evidence)
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ["huge", "equal", "negative"])
+@pytest.mark.parametrize("split", [{"target": 1}, {"target": 4096, "min_chunks": 1}], ids=["whole", "many"])
+def test_adversarial_scores(kind, split, evidence):
+    b = Batch([4097, 65, 1], [1, 1, 1], 12, 64, "normal", 5, "cuda", adversarial=kind)
+    failures = _run_case(f"adversarial {kind} {split}", b, evidence, **split)
+    b = Batch([4100, 70], [8, 8], 12, 64, "normal", 6, "cuda", adversarial=kind)
+    failures += _run_case(f"adversarial {kind} q=8 {split}", b, evidence, **split)
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("split", [{"target": 1}, {"target": 7, "min_chunks": 1}, {"target": 2048, "min_chunks": 1}])
+def test_split_counts_agree(split, evidence):
+    b = Batch([1, 40, 4097, 9000], [8, 8, 8, 8], 6, 64, "normal", 9, "cuda")
+    failures = _run_case(f"splits {split}", b, evidence, **split)
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.gpu
+def test_repeat_launch_and_cuda_graph_follow_device_lengths():
+    """Repeats are bit-identical (no state left between launches) and a captured launch replays the
+    schedule from the device lengths: growing them in place after capture gives the new result."""
+    grown = [5900, 63, 70000]
+    b = Batch([5000, 3, 70000], [1, 1, 1], 12, 64, "normal", 21, "cuda", capacity=grown)
+    first = mla_decode.launch(b.q_lat, b.cache, b.block_table, b.seq_lens, b.query_start, 1)
+    for _ in range(3):
+        again = mla_decode.launch(b.q_lat, b.cache, b.block_table, b.seq_lens, b.query_start, 1)
+        assert torch.equal(again, first)
+    out = torch.full_like(first, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        mla_decode.launch(b.q_lat, b.cache, b.block_table, b.seq_lens, b.query_start, 1, out)
+        torch.cuda.synchronize()
+        out.fill_(float("nan"))
+        with torch.cuda.graph(graph, stream=stream):
+            mla_decode.launch(b.q_lat, b.cache, b.block_table, b.seq_lens, b.query_start, 1, out)
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all(), "capture ran the kernel instead of recording it"
+    b.seq_lens.copy_(torch.tensor(grown, dtype=torch.int32))
+    b.lengths = grown
+    graph.replay()
+    torch.cuda.synchronize()
+    for r in range(3):
+        assert _rel_err(out[b.rows_of(r)], b.reference(r)) < REL_ERR_BOUND
