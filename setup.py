@@ -19,7 +19,7 @@ setup(
     package_data={
         MODEL: ["SCOPE.yaml", "README.md", "evidence/*.json"],
         f"{MODEL}.latency_specialized": ["*.json"],
-        f"{MODEL}.evals": ["*.json", "*.yaml", "data/*"],
+        f"{MODEL}.evals": ["README.md", "tiny/*", "lm_eval_tasks/*.yaml", "lm_eval_tasks/*.py"],
     },
     install_requires=["torch>=2.9", "numpy", "pyyaml", "safetensors"],
     extras_require={
@@ -27,7 +27,7 @@ setup(
         "test": ["pytest>=8", "coverage>=7", "build", "wheel", "xgrammar", "fla-core==0.6.0", "einops"],
         "structured": ["xgrammar"],
         "gpu": ["nvidia-cutlass-dsl==4.8.1"],
-        "eval": ["lm-eval"],
+        "eval": ["lm-eval>=0.4.13"],
     },
     entry_points={"console_scripts": [f"k3-decode={MODEL}.latency_specialized.cli:main",
                                       "fast-track=tools.fast_track.cli:main"],

@@ -3,6 +3,7 @@
     k3-decode generate --config mini --prompt "Hello" --max-tokens 32 [--temperature T]
     torchrun --nproc-per-node 4 -m vllm.models.kimi_k3.nvidia.latency_specialized generate --tp 4 ...
     k3-decode scope [--gpu GB300 --tp 16 --max-model-len 262144 --spec dspark:7]
+    k3-decode eval [--config tiny --tasks ... --lengths ...]   (long-context evals, both paths)
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import time
 
 import torch
 
+from ..evals import cli as eval_cli
 from . import scope_cli
 from .config import ConfigError, preset
 from .distributed import add_tp_arguments, tp_generate
@@ -108,10 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="cmd", required=True)
     _add_generate(sub)
     scope_cli.add_parser(sub)
+    eval_cli.add_parser(sub)
     args = ap.parse_args(argv)
     try:
         if args.cmd == "generate":
             return _generate(args)
+        if args.cmd == "eval":
+            return eval_cli.run(args)
         return scope_cli.run(args)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

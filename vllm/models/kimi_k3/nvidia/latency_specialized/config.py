@@ -340,12 +340,15 @@ _register()
 
 
 def preset(name: str) -> K3TextConfig:
-    """A named preset, or a config.json path / directory."""
+    """A named preset (`k3`, `mini`, or `tiny`: the shipped eval model), or a config.json path / directory."""
+    if name == "tiny":  # defined beside its checkpoint in evals/
+        from ..evals.tiny import config_named
+        return config_named("tiny")
     if name in PRESETS:
         return PRESETS[name]
     p = Path(name)
     if p.exists():
         return K3TextConfig.from_json(p)
     raise ConfigError(
-        f"unknown config {name!r}: use one of {sorted(PRESETS)} or a path to a config.json"
+        f"unknown config {name!r}: use one of {sorted([*PRESETS, 'tiny'])} or a path to a config.json"
     )

@@ -1,0 +1,300 @@
+"""Train the `tiny` K3 model on the synthetic long-context tasks; save it as a real checkpoint.
+
+    python -m vllm.models.kimi_k3.nvidia.evals.train_tiny --device cuda --out DIR --curve FILE.json
+
+Deterministic: the initial weights are `RandomSource(TINY, seed)`, batch i of the run is
+built from seeds derived from (seed, i), and torch's deterministic algorithms are on (an op
+without a deterministic CUDA kernel warns instead of aborting), so the same command on the
+same GPU and software gives the same checkpoint up to those ops.
+
+| part | choice |
+| --- | --- |
+| model | `TrainModel`: the reference math in differentiable whole-sequence form |
+| data | mrcr / kv / arith mixed 2:2:1; lengths 512 → `--max-length` in equal stages (a curriculum); ~`--tokens-per-step` tokens a step |
+| loss | cross-entropy on answer tokens (final and practice queries), 0.1 × on every other token |
+| optimizer | AdamW (β 0.9/0.95, decay on matrices only), warm-up, cosine to 10 %, clipping at 1.0 |
+| precision | bf16 GEMMs at the reference's rounding points (train_model.py), fp32 masters |
+| budget | `--steps` fixes the schedule; `--max-seconds` stops early, saves, and says so |
+
+Output: `DIR/config.json` + `DIR/model.safetensors` (HF-style, real checkpoint names,
+written by `weights.save_checkpoint`, read back by `weights.load_rank`), and the training
+curve (loss per logged step, and at the end teacher-forced exact match per task and
+length: greedy decoding reproduces the answer exactly iff every answer token is the
+argmax given the true prefix, so this is greedy exact match without a decode loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import random
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..latency_specialized.config import K3TextConfig
+from ..latency_specialized.tokenizer import ByteTokenizer
+from ..latency_specialized.weights import RandomSource, TensorSource, WeightError, save_checkpoint
+from . import tasks
+from .tiny import TINY
+from .train_model import TrainModel
+
+TOK = ByteTokenizer()
+CURRICULUM = (512, 1024, 2048, 4096, 8192)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    steps: int = 1500
+    seed: int = 0
+    lr: float = 2e-3
+    warmup: int = 100
+    weight_decay: float = 0.01
+    clip: float = 1.0
+    tokens_per_step: int = 65536
+    max_length: int = 4096
+    mix: tuple[tuple[str, float], ...] = (("mrcr", 0.4), ("kv", 0.4), ("arith", 0.2))
+    practice: float = 0.3
+    context_weight: float = 0.1
+    kda_chunk: int = 32
+    log_every: int = 10
+    max_seconds: float = 0.0  # 0: no limit
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.warmup < 0 or self.log_every < 1:
+            raise ValueError("steps must be >= 1, warmup >= 0 and log_every >= 1")
+        if self.max_length < CURRICULUM[0]:
+            raise ValueError(f"max_length must be at least {CURRICULUM[0]} tokens, found {self.max_length}")
+        unknown = [t for t, _ in self.mix if t not in tasks.TASKS]
+        if unknown or not self.mix or any(w <= 0 for _, w in self.mix):
+            raise ValueError(f"mix must weight known tasks ({', '.join(tasks.TASKS)}) positively, "
+                             f"found {self.mix}")
+
+
+class DictSource(TensorSource):
+    """Checkpoint tensors held in memory, by name (what `save_checkpoint` reads)."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]):
+        self.tensors = tensors
+
+    def shape(self, name: str) -> tuple[int, ...] | None:
+        t = self.tensors.get(name)
+        return None if t is None else tuple(t.shape)
+
+    def get(self, name: str, rows=None, cols=None) -> torch.Tensor:
+        if name not in self.tensors:
+            raise WeightError(f"the trained model has no tensor {name}")
+        t = self.tensors[name]
+        if rows:
+            t = t[rows[0]:rows[1]]
+        if cols:
+            t = t[:, cols[0]:cols[1]]
+        return t
+
+
+def save(model: TrainModel, out_dir: str | Path) -> Path:
+    """The trained weights as config.json + model.safetensors, in the real checkpoint's names."""
+    return save_checkpoint(DictSource(model.checkpoint_tensors()), model.cfg, out_dir)
+
+
+# ---------------------------------------------------------------------- data
+
+
+def length_at(step: int, tc: TrainConfig) -> int:
+    """The curriculum: equal shares of the run at 512, 1024, ... up to max_length."""
+    stages = [n for n in CURRICULUM if n <= tc.max_length]
+    if tc.max_length not in stages:
+        stages.append(tc.max_length)
+    return stages[min(len(stages) - 1, step * len(stages) // tc.steps)]
+
+
+def sequence(sample: tasks.Sample, context_weight: float) -> tuple[list[int], list[float]]:
+    """Token ids of prompt + answer, and each position's loss weight for predicting the next id."""
+    ids = sample.prompt_ids + sample.answer_ids
+    weight = [context_weight] * len(ids)
+    for a, b in sample.supervised:
+        for t in range(a, b):
+            weight[t] = 1.0
+    for t in range(len(sample.prompt_ids), len(ids)):
+        weight[t] = 1.0
+    # position t predicts token t + 1: shift the weights left by one
+    return ids, weight[1:] + [0.0]
+
+
+def batch(step: int, tc: TrainConfig, device: torch.device | str
+          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(ids [B, T], next-token targets [B, T], loss weights [B, T], context length) of one step."""
+    length = length_at(step, tc)
+    size = max(1, tc.tokens_per_step // length)
+    rng = random.Random(f"k3-train:{tc.seed}:{step}")
+    names = [t for t, _ in tc.mix]
+    weights = [w for _, w in tc.mix]
+    seqs = []
+    for i in range(size):
+        task = rng.choices(names, weights)[0]
+        s = tasks.make(task, length, seed=(tc.seed * 1_000_003 + step) * 1024 + i, practice=tc.practice)
+        seqs.append(sequence(s, tc.context_weight))
+    width = max(len(ids) for ids, _ in seqs)
+    ids = torch.full((size, width), TOK.PAD, dtype=torch.long)
+    wts = torch.zeros(size, width)
+    for r, (s_ids, s_w) in enumerate(seqs):
+        ids[r, :len(s_ids)] = torch.tensor(s_ids)
+        wts[r, :len(s_w)] = torch.tensor(s_w)
+    targets = torch.cat([ids[:, 1:], torch.full((size, 1), TOK.PAD, dtype=torch.long)], 1)
+    return ids.to(device), targets.to(device), wts.to(device), length
+
+
+def weighted_loss(logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    per_token = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    return (per_token * weights.flatten()).sum() / weights.sum().clamp_min(1e-9)
+
+
+# ---------------------------------------------------------------------- optimization
+
+
+def lr_at(step: int, tc: TrainConfig) -> float:
+    if step < tc.warmup:
+        return tc.lr * (step + 1) / tc.warmup
+    progress = (step - tc.warmup) / max(1, tc.steps - tc.warmup)
+    return tc.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
+
+
+def optimizer(model: TrainModel, tc: TrainConfig) -> torch.optim.AdamW:
+    """AdamW; weight decay on the projection matrices only (not norms, gates, conv taps, biases)."""
+    def decayed(name: str, p: torch.Tensor) -> bool:
+        return p.dim() == 2 and not name.endswith("_res_proj.weight")
+
+    named = list(model.named_parameters())
+    return torch.optim.AdamW([{"params": [p for n, p in named if decayed(n, p)], "weight_decay": tc.weight_decay},
+                              {"params": [p for n, p in named if not decayed(n, p)], "weight_decay": 0.0}],
+                             lr=tc.lr, betas=(0.9, 0.95), eps=1e-8)
+
+
+@contextlib.contextmanager
+def deterministic(seed: int):
+    """Seeded, deterministic kernels, no TF32; the process's previous settings come back after.
+
+    warn_only: an op without a deterministic CUDA kernel (torch names it in a warning) must not
+    abort a one-shot device run; the curve records the run either way."""
+    saved = (torch.are_deterministic_algorithms_enabled(), torch.backends.cuda.matmul.allow_tf32,
+             torch.backends.cudnn.allow_tf32)
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.manual_seed(seed)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0])
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved[1], saved[2]
+
+
+@torch.no_grad()
+def teacher_forced_exact(model: TrainModel, task: str, length: int, n: int, seed: int,
+                         device: torch.device | str) -> float:
+    """Fraction of n held-out samples whose every answer token is the argmax (= greedy exact match)."""
+    hits = 0
+    for s in tasks.suite(task, length, n, seed=seed):
+        ids = torch.tensor([s.prompt_ids + s.answer_ids[:-1]], device=device)
+        pred = model(ids)[0, len(s.prompt_ids) - 1:].argmax(-1).tolist()
+        hits += int(pred == s.answer_ids)
+    return hits / n
+
+
+def train(tc: TrainConfig, *, cfg: K3TextConfig = TINY, device: str = "cpu", log=None
+          ) -> tuple[TrainModel, dict]:
+    """Run the training loop; returns the model and the curve (a JSON-ready dict)."""
+    with deterministic(tc.seed):
+        return _train(tc, cfg, device, log)
+
+
+def _train(tc: TrainConfig, cfg: K3TextConfig, device: str, log) -> tuple[TrainModel, dict]:
+    model = TrainModel.from_source(cfg, RandomSource(cfg, seed=tc.seed), kda_chunk=tc.kda_chunk).to(device)
+    opt = optimizer(model, tc)
+    curve: dict = {"config": cfg.name, "train": asdict(tc),
+                   "params": sum(p.numel() for p in model.parameters()), "steps": [], "stopped_early": False}
+    t0 = time.perf_counter()
+    for step in range(tc.steps):
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, tc)
+        ids, targets, weights, length = batch(step, tc, device)
+        logits = model(ids)
+        loss = weighted_loss(logits, targets, weights)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip))
+        opt.step()
+        elapsed = time.perf_counter() - t0
+        if step % tc.log_every == 0 or step == tc.steps - 1:
+            with torch.no_grad():
+                answer = weighted_loss(logits, targets, (weights >= 1.0).float())
+            row = {"step": step, "loss": loss.item(), "answer_loss": answer.item(), "lr": lr_at(step, tc),
+                   "grad_norm": grad_norm, "length": length, "batch": ids.shape[0], "seconds": round(elapsed, 2)}
+            curve["steps"].append(row)
+            if log:
+                log(row)
+        if tc.max_seconds and elapsed > tc.max_seconds:
+            curve["stopped_early"] = True
+            curve["stopped_at_step"] = step
+            break
+    curve["train_seconds"] = round(time.perf_counter() - t0, 2)
+    return model.eval(), curve
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="train_tiny", description=__doc__.split("\n")[0])
+    d = TrainConfig()
+    ap.add_argument("--out", required=True, help="checkpoint folder (config.json + model.safetensors)")
+    ap.add_argument("--curve", required=True, help="JSON file for the training curve")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--steps", type=int, default=d.steps)
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--lr", type=float, default=d.lr)
+    ap.add_argument("--tokens-per-step", type=int, default=d.tokens_per_step)
+    ap.add_argument("--max-length", type=int, default=d.max_length)
+    ap.add_argument("--kda-chunk", type=int, default=d.kda_chunk)
+    ap.add_argument("--max-seconds", type=float, default=480.0,
+                    help="stop the loop after this many seconds and save (default 480, for a 10-minute call)")
+    ap.add_argument("--eval-lengths", default="1024,4096", help="lengths of the final exact-match check")
+    ap.add_argument("--eval-samples", type=int, default=16)
+    args = ap.parse_args(argv)
+    tc = TrainConfig(steps=args.steps, seed=args.seed, lr=args.lr, tokens_per_step=args.tokens_per_step,
+                     max_length=args.max_length, kda_chunk=args.kda_chunk, max_seconds=args.max_seconds)
+    lengths = tuple(int(x) for x in args.eval_lengths.split(",") if x)
+    try:  # a bad eval length must fail now, not after the training run
+        for n in lengths:
+            for task, _ in tc.mix:
+                tasks.make(task, n, 0)
+    except ValueError as e:
+        print(f"error: --eval-lengths: {e}", file=sys.stderr)
+        return 2
+
+    def log(row: dict) -> None:
+        print(json.dumps(row), file=sys.stderr, flush=True)
+
+    model, curve = train(tc, device=args.device, log=log)
+    curve["command"] = " ".join(["python -m vllm.models.kimi_k3.nvidia.evals.train_tiny"] + sys.argv[1:])
+    curve["device"] = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
+    curve["torch"] = torch.__version__
+    out = save(model, args.out)
+    curve_path = Path(args.curve)
+    curve_path.parent.mkdir(parents=True, exist_ok=True)
+    curve_path.write_text(json.dumps(curve, indent=1) + "\n")  # saved before the check, in case it dies
+    curve["exact_match"] = {task: {str(n): teacher_forced_exact(model, task, n, args.eval_samples,
+                                                                10_000 + tc.seed, args.device)
+                                   for n in lengths}
+                            for task, _ in tc.mix} if args.eval_samples else {}
+    curve_path.write_text(json.dumps(curve, indent=1) + "\n")
+    print(f"[train_tiny] {len(curve['steps'])} logged steps, {curve['train_seconds']} s; checkpoint {out}; "
+          f"exact match {curve['exact_match']}", file=sys.stderr)
+    return 0
+
+if __name__ == "__main__":
+    sys.exit(main())
