@@ -1,6 +1,8 @@
 """MLA absorbed decode attention over the paged latent cache, split over the KV length.
 
-**Status: compiled (sm_90a, sm_100a, sm_103a), not yet run on a GPU.**
+**Status: compiled (sm_90a, sm_100a, sm_103a); on the H200 only a first smoke has run
+(2026-12-02: test_mixed_lengths_match_reference, 6 cases, passed); the full GPU test,
+benchmark and sanitizer evidence are pending.**
 
 Math (K3_MATH.md §3.5 (6); `reference/mla.py::attend_absorbed` is the oracle, read up to its
 latent output ol, before W_UV): for every query row i of a request, with q_lat_i = [ql | q_pe]
