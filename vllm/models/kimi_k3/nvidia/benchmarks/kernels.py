@@ -1,0 +1,70 @@
+"""One call on the GPU: every kernel family's GPU tests (kernel-test evidence) and benchmark
+(kernel-bench evidence), then a short table.
+
+    python -m vllm.models.kimi_k3.nvidia.benchmarks.kernels --out DIR [--only gemm norms kda mla]
+                                                           [--tests-only]
+
+Each family runs in its own process (a failing or hanging family does not take the others
+with it), writing its JSON records into DIR. Pass the git commit as K3_COMMIT when the tree
+has no .git (the device copy): the records carry it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+TESTS = "vllm/models/kimi_k3/nvidia/tests"
+BENCH = "vllm.models.kimi_k3.nvidia.benchmarks"
+
+# family -> (GPU test file, benchmark module, benchmark arguments given the output dir)
+FAMILIES = {
+    "gemm": ("test_skinny_gemm.py", "bench_skinny_gemm", lambda d: ["--out", str(d / "skinny_gemm_bench.json")]),
+    "norms": ("test_norm_kernels.py", "bench_norms", lambda d: ["--out-dir", str(d)]),
+    "kda": ("test_kda_decode_kernel.py", "bench_kda_decode", lambda d: ["--out", str(d / "kda_decode_bench.json")]),
+    "mla": ("test_mla_decode_kernel.py", "bench_mla_decode", lambda d: ["--out", str(d / "mla_decode_bench.json")]),
+}
+
+
+def _run(cmd: list[str], env: dict[str, str], timeout: int) -> tuple[int, float]:
+    t0 = time.perf_counter()
+    print("$", " ".join(cmd), flush=True)
+    try:
+        rc = subprocess.run(cmd, env=env, timeout=timeout).returncode
+    except subprocess.TimeoutExpired:
+        rc = 124
+    return rc, time.perf_counter() - t0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="directory for the evidence JSON records")
+    ap.add_argument("--only", nargs="*", choices=sorted(FAMILIES), default=None)
+    ap.add_argument("--tests-only", action="store_true", help="skip the benchmarks")
+    ap.add_argument("--timeout", type=int, default=240, help="seconds per test run or benchmark")
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, K3_EVIDENCE_DIR=str(out), PYTHONUNBUFFERED="1")
+    rows = []
+    for fam in args.only or FAMILIES:
+        test, bench, bench_args = FAMILIES[fam]
+        t_rc, t_s = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+                          f"{TESTS}/{test}"], env, args.timeout)
+        b_rc, b_s = (None, 0.0) if args.tests_only else _run(
+            [sys.executable, "-m", f"{BENCH}.{bench}", *bench_args(out)], env, args.timeout)
+        rows.append((fam, t_rc, t_s, b_rc, b_s))
+    print(f"\n{'family':8} {'tests':>8} {'s':>6} {'bench':>8} {'s':>6}")
+    for fam, t_rc, t_s, b_rc, b_s in rows:
+        bench = "skipped" if b_rc is None else ("ok" if b_rc == 0 else f"rc {b_rc}")
+        print(f"{fam:8} {'ok' if t_rc == 0 else f'rc {t_rc}':>8} {t_s:6.0f} {bench:>8} {b_s:6.0f}")
+    print("records:", ", ".join(sorted(p.name for p in out.glob("*.json"))) or "none")
+    return 0 if all(t == 0 and b in (None, 0) for _, t, _, b, _ in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
