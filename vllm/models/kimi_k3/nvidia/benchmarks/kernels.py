@@ -1,7 +1,7 @@
 """One call on the GPU: every kernel family's GPU tests (kernel-test evidence) and benchmark
 (kernel-bench evidence), then a short table.
 
-    python -m vllm.models.kimi_k3.nvidia.benchmarks.kernels --out DIR [--only gemm norms kda mla]
+    python -m vllm.models.kimi_k3.nvidia.benchmarks.kernels --out DIR [--only gemm norms kda mla moe]
                                                            [--tests-only]
 
 Each family runs in its own process (a failing or hanging family does not take the others
@@ -27,6 +27,7 @@ FAMILIES = {
     "norms": ("test_norm_kernels.py", "bench_norms", lambda d: ["--out-dir", str(d)]),
     "kda": ("test_kda_decode_kernel.py", "bench_kda_decode", lambda d: ["--out", str(d / "kda_decode_bench.json")]),
     "mla": ("test_mla_decode_kernel.py", "bench_mla_decode", lambda d: ["--out", str(d / "mla_decode_bench.json")]),
+    "moe": ("test_moe_kernels.py", "bench_moe", lambda d: ["--out", str(d / "moe_bench.json")]),
 }
 
 

@@ -1,0 +1,466 @@
+"""Routed experts of the latent MoE for decode rows: each selected expert's weights read once.
+
+STATUS: compiled (sm_90a, sm_100a, sm_103a), not yet run on a GPU.
+
+Math (`reference/moe.py::_routed_latent`, K3_MATH.md §3.6), one TP rank, for every pick
+p = r·k + j of row r's j-th selected expert e = ids[r, j]:
+
+    g, u   = bf16(x_lat[r] · W13[e]ᵀ) split into the gate and up halves   (fp32 sums)
+    h[p]   = bf16(β·tanh(g/β)·σ(g) · λ·tanh(u/λ))                          (SiTU, fp32)
+    o[p]   = bf16(h[p] · W2[e]ᵀ)                                            (fp32 sums)
+    y[r]   = bf16(Σ_j w[r, j] · o[r·k + j])   fp32, in selection order     (kernels/moe_combine.py)
+
+This file holds one kernel, a grouped expert GEMV launched twice (gate/up with the SiTU epilogue
+into h, then down into o), and the launcher of the whole op, which then runs the combine.
+
+Envelope: x_lat [M, H] bf16, 1 <= M <= 64; ids [M, k] int32 and weights [M, k] fp32,
+1 <= k <= 32; w13 [E, 2·I, H] and w2 [E, H, I] bf16; H % 128 == 0, I % 64 == 0 (K3 per rank:
+H = 3584, I = 3072 @TP1, 384 @TP8, 256 padded @TP16); all contiguous, 16-byte aligned, on one
+CUDA device. Ids outside [0, E) are padding: skipped, their weight unused. An id repeated
+within a row (the router never does this) is computed once, into the row of its first pick, and
+the combine reads that row for every repeat, so each pick still adds w_j · expert(x).
+
+Grouping without a host step: CTA (p, tile) looks at pick p's expert e; its threads scan the M·k
+ids, one row each, and list the rows that picked e (first match per row). Only the CTA of e's
+first pick (lowest p) is the leader; it runs the GEMV over all of e's rows (up to M, padded to
+8·⌈M/8⌉ with a repeated real row whose results are never stored), the others exit. So each
+selected expert's weights are read once per launch, and unselected experts never.
+
+GEMV (as kernels/skinny_gemm.py): W is the mma.sync m16n8k16 A operand, loaded by 16-byte
+register loads in a K order permuted so the registers already are fragments; the gathered x
+rows are the B operand; each warp keeps the next K chunk in flight; the warps of a CTA split
+the expert's rows (warps_n) and K (warps_k), partial sums meet in shared memory. For gate/up a
+warp's two 16-row tiles are gate rows n.. and the matching up rows I + n.., so a thread holds
+gate and up of the same output and applies SiTU directly. No split-K across CTAs, so no
+scratch counters; the h and o buffers are per device and shape, reused by every launch (launches
+must be stream-ordered, as the skinny GEMM's).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import torch
+from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, const_expr
+from cutlass.cute.runtime import make_ptr
+
+from . import moe_combine
+
+MAX_ROWS = 64
+MAX_TOP_K = 32
+
+
+class MoEExpertsEnvelopeError(ValueError):
+    """The inputs fall outside what the routed-expert kernels support."""
+
+
+@dataclass(frozen=True)
+class ExpertTiling:
+    """How one expert's GEMV is cut into warps and CTAs (all compile-time)."""
+
+    row_tiles: int  # 16-row W tiles per warp (2 for gate/up: one gate, one up)
+    chunk_atoms: int  # k16 atoms of one K chunk a warp loads at once (even)
+    x_atoms: int  # k16 atoms of x per MMA step (even, divides chunk_atoms)
+    warps_n: int
+    warps_k: int
+
+    def __post_init__(self) -> None:
+        if self.chunk_atoms % 2 or self.x_atoms % 2 or self.chunk_atoms % self.x_atoms:
+            raise ValueError(f"{self}: chunk_atoms and x_atoms must be even, x_atoms must divide chunk_atoms")
+        # at least 64 threads: one per possible row in the grouping scan
+        if not 2 <= self.warps_n * self.warps_k <= 8 or self.row_tiles < 1:
+            raise ValueError(f"{self}: needs 2..8 warps per CTA and row_tiles >= 1")
+
+    def block_out(self, gate_up: bool) -> int:
+        """Output columns of one CTA (gate/up: hidden columns, each from a gate and an up row)."""
+        return 16 * self.warps_n * (1 if gate_up else self.row_tiles)
+
+    @property
+    def chunk_k(self) -> int:
+        return 16 * self.chunk_atoms
+
+
+def choose_tiling(gate_up: bool, n_out: int, k: int, m_atoms: int) -> ExpertTiling:
+    """Tiling of one expert's [n_out, k] GEMV (gate/up: 2·n_out weight rows).
+
+    The skinny GEMM's H200-measured classes: up to 16 rows 128-wide chunks, beyond that
+    64-wide ones and two row tiles per warp so the accumulators fit; 8 warps, 4 along K
+    (fewer when K has fewer chunks, then more along N); warps_n shrinks until the CTAs tile the
+    output exactly, so no row bounds are needed inside the kernel. Not tuned on the GPU yet.
+    """
+    small_m = m_atoms <= 2
+    chunk_atoms, x_atoms = (8, 4) if small_m else (4, 2)
+    if k % (16 * chunk_atoms):
+        chunk_atoms, x_atoms = 4, 2
+    row_tiles = 2 if gate_up or not small_m else 1
+    chunks = k // (16 * chunk_atoms)
+    warps_k = max(1, min(4, chunks))
+    warps_n = 8 // warps_k
+    while n_out % (16 * warps_n * (1 if gate_up else row_tiles)):
+        warps_n //= 2
+    if warps_n * warps_k < 2:  # keep >= 64 threads for the grouping scan
+        warps_k = 2
+    return ExpertTiling(row_tiles, chunk_atoms, x_atoms, warps_n, warps_k)
+
+
+def weight_row(gate_up: bool, n_out: int, row_tiles: int, warps_n: int, tile, wn, g, i: int):
+    """The expert's weight row that register row i of lane group g in warp wn of CTA `tile`
+    loads: i // 2 is the warp's 16-row tile, i % 2 its 8-row half. For gate/up tile 0 holds gate
+    rows and tile 1 the matching up rows, n_out further on. Plain arithmetic: the kernel calls it
+    on device integers, the CPU tests on Python ints."""
+    if gate_up:
+        return tile * 16 * warps_n + wn * 16 + g + (i // 2) * n_out + 8 * (i % 2)
+    return tile * 16 * row_tiles * warps_n + wn * 16 * row_tiles + g + (i // 2) * 16 + 8 * (i % 2)
+
+
+def block_column(row_tiles: int, wn, r: int, v1: int, g):
+    """Column of the CTA's shared-memory partial sums that accumulator (r, v1) of lane group g
+    in warp wn lands in (its weight row, counted inside the CTA's block of rows)."""
+    return wn * 16 * row_tiles + 16 * r + 8 * v1 + g
+
+
+def gate_column(col):
+    """For gate/up: the block column of hidden column `col`'s gate sum (its up sum is 16 on)."""
+    return (col // 16) * 32 + col % 16
+
+
+@cute.jit
+def _load_w(w_vec: cute.Tensor, dst: cute.Tensor, gate_up: Constexpr, n_out: Constexpr, row_tiles: Constexpr,
+            warps_n: Constexpr, tile: Int32, wn: Int32, g: Int32, col0: Int32, vecs: Constexpr):
+    """This lane's 2·row_tiles weight rows (`weight_row`), `vecs` 16-byte vectors each from
+    column vector col0 on, into registers one row after the other."""
+    for i in cutlass.range_constexpr(2 * row_tiles):
+        row = weight_row(gate_up, n_out, row_tiles, warps_n, tile, wn, g, i)
+        for v in cutlass.range_constexpr(vecs):
+            vec = cute.make_tensor(dst.iterator + (i * vecs + v) * 8, cute.make_layout(8))
+            cute.autovec_copy(w_vec[(0, None), (row, col0 + v)], vec)
+
+
+@cute.jit
+def _load_x(x_vec: cute.Tensor, dst: cute.Tensor, x_rows: cute.Tensor, atoms: Constexpr,
+            col0: Int32, vecs: Constexpr):
+    """The gathered x rows x_rows[i] (one per 8-slot atom i) × `vecs` 16-byte vectors."""
+    for i in cutlass.range_constexpr(atoms):
+        for v in cutlass.range_constexpr(vecs):
+            vec = cute.make_tensor(dst.iterator + (i * vecs + v) * 8, cute.make_layout(8))
+            cute.autovec_copy(x_vec[(0, None), (x_rows[i], col0 + v)], vec)
+
+
+@cute.jit
+def _situ(gate: Float32, up: Float32, beta: Constexpr, linear_beta: Constexpr) -> Float32:
+    """SiTU(g, u) in fp32 on the bf16-rounded gate and up (reference/ops.py::situ_and_mul)."""
+    g = gate.to(BFloat16).to(Float32)
+    u = up.to(BFloat16).to(Float32)
+    sig = Float32(1.0) / (Float32(1.0) + cute.math.exp(-g))
+    gc = g
+    if const_expr(beta is not None):
+        gc = Float32(beta) * cute.math.tanh(g / Float32(beta))
+    uc = u
+    if const_expr(linear_beta is not None):
+        uc = Float32(linear_beta) * cute.math.tanh(u / Float32(linear_beta))
+    return gc * sig * uc
+
+
+@cute.kernel
+def _expert_gemv_kernel(
+    w_ptr: cute.Pointer, x_ptr: cute.Pointer, ids_ptr: cute.Pointer, out_ptr: cute.Pointer,
+    m: Int32, n_experts: Constexpr, top_k: Constexpr, n_out: Constexpr, k: Constexpr,
+    gate_up: Constexpr, beta: Constexpr, linear_beta: Constexpr, m_atoms: Constexpr,
+    row_tiles: Constexpr, chunk_atoms: Constexpr, x_atoms: Constexpr,
+    warps_n: Constexpr, warps_k: Constexpr,
+):
+    tid, _, _ = cute.arch.thread_idx()
+    pick, tile, _ = cute.arch.block_idx()
+    lane = tid % 32
+    warp = tid // 32
+    wn = warp % warps_n
+    wk = warp // warps_n
+    g = lane // 4
+    c = lane % 4
+    threads = 32 * warps_n * warps_k
+    n_w = 2 * n_out if gate_up else n_out  # weight rows per expert
+    block_w = 16 * row_tiles * warps_n  # weight rows of one CTA
+    block_out = block_w // 2 if gate_up else block_w
+    w_rows = 2 * row_tiles
+    lane_elems = 4 * chunk_atoms
+    x_elems = 4 * x_atoms
+    chunk_k = 16 * chunk_atoms
+    n_chunks = k // chunk_k
+    # x: gate/up reads the token row r, down reads h of the pick r·k + j
+    x_rows_total = m if gate_up else m * top_k
+
+    smem = cutlass.memory.SmemAllocator()
+    hit = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), byte_alignment=16)
+    src_row = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), byte_alignment=16)
+    dst_pick = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), byte_alignment=16)
+    info = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=16)  # (rows, leader)
+    pitch = block_w + 4  # spreads a warp's stores over the banks
+    red = smem.allocate_tensor(
+        Float32, cute.make_layout((warps_k, 8 * m_atoms, block_w), stride=(8 * m_atoms * pitch, pitch, 1)),
+        byte_alignment=16)
+
+    ids = cute.make_tensor(ids_ptr, cute.make_layout(m * top_k))
+    expert = ids[pick]
+
+    # grouping: thread r < M finds the first j with ids[r, j] == expert
+    if tid < MAX_ROWS:
+        j_hit = Int32(-1)
+        if tid < m:
+            for j in cutlass.range_constexpr(top_k - 1, -1, -1):  # downwards: the lowest j wins
+                if ids[tid * top_k + j] == expert:
+                    j_hit = Int32(j)
+        hit[tid] = j_hit
+    cute.arch.sync_threads()
+    if tid < MAX_ROWS:
+        j_mine = hit[tid]
+        if j_mine >= 0:
+            slot = Int32(0)
+            for r in cutlass.range(tid):
+                if hit[r] >= 0:
+                    slot += 1
+            src_row[slot] = tid if const_expr(gate_up) else tid * top_k + j_mine
+            dst_pick[slot] = tid * top_k + j_mine
+    if tid == 0:
+        found = Int32(0)
+        first = Int32(-1)
+        for r in cutlass.range(m):
+            if hit[r] >= 0:
+                if found == 0:
+                    first = r * top_k + hit[r]
+                found += 1
+        info[0] = found
+        # padding ids (outside [0, E)) lead nothing; nested ifs keep every comparison a device
+        # branch instead of relying on how Python's `and` is traced
+        leader = Int32(0)
+        if expert >= 0:
+            if expert < n_experts:
+                if first == pick:
+                    leader = Int32(1)
+        info[1] = leader
+    cute.arch.sync_threads()
+
+    if info[1] == 1:
+        rows = info[0]
+        # 64-bit: E·rows·K exceeds 2^31 elements at K3's shapes; the divisibility keeps the
+        # pointer's 16-byte alignment known, so the W loads stay 16-byte vectors
+        w_expert = w_ptr + cute.assume(Int64(expert) * Int64(n_w * k), divby=8)
+        w_vec = cute.zipped_divide(cute.make_tensor(w_expert, cute.make_layout((n_w, k), stride=(k, 1))), (1, 8))
+        x_vec = cute.zipped_divide(
+            cute.make_tensor(x_ptr, cute.make_layout((x_rows_total, k), stride=(k, 1))), (1, 8))
+
+        # slots past the expert's rows repeat its last row: computed, never stored
+        x_rows = cute.make_rmem_tensor(cute.make_layout(m_atoms), Int32)
+        for i in cutlass.range_constexpr(m_atoms):
+            x_rows[i] = src_row[cutlass.min(g + 8 * i, rows - 1)]
+        my_chunks = (n_chunks - wk + warps_k - 1) // warps_k
+
+        w_next = cute.make_rmem_tensor(cute.make_layout((lane_elems, w_rows)), BFloat16)
+        w_cur = cute.make_rmem_tensor(cute.make_layout((lane_elems, w_rows)), BFloat16)
+        x_frag = cute.make_rmem_tensor(cute.make_layout((x_elems, m_atoms)), BFloat16)
+        acc = cute.make_rmem_tensor(cute.make_layout(((2, 2), row_tiles, m_atoms)), Float32)
+        acc.fill(0.0)
+        mma = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+
+        if my_chunks > 0:
+            _load_w(w_vec, w_next, gate_up, n_out, row_tiles, warps_n, tile, wn, g,
+                    wk * (chunk_k // 8) + c * (lane_elems // 8), lane_elems // 8)
+        for it in cutlass.range(my_chunks):
+            chunk = wk + it * warps_k
+            # chunk i+1 is in flight while chunk i is multiplied
+            w_cur.store(w_next.load())
+            if it + 1 < my_chunks:
+                _load_w(w_vec, w_next, gate_up, n_out, row_tiles, warps_n, tile, wn, g,
+                        (chunk + warps_k) * (chunk_k // 8) + c * (lane_elems // 8), lane_elems // 8)
+            for s in cutlass.range_constexpr(chunk_atoms // x_atoms):
+                _load_x(x_vec, x_frag, x_rows, m_atoms,
+                        chunk * (chunk_k // 8) + c * (lane_elems // 8) + s * (x_elems // 8), x_elems // 8)
+                # fragment views in mma.sync value order over the permuted K (skinny_gemm.py)
+                a = cute.make_tensor(
+                    w_cur.iterator + s * x_elems,
+                    cute.make_layout(((2, 2, 2), row_tiles, x_atoms),
+                                     stride=((1, lane_elems, 2), 2 * lane_elems, 4)))
+                b = cute.make_tensor(
+                    x_frag.iterator,
+                    cute.make_layout(((2, 2), m_atoms, x_atoms), stride=((1, 2), x_elems, 4)))
+                cute.gemm(mma, acc, a, b, acc)
+
+        # acc[(v0, v1), r, j]: register row 2r + v1 of the lane group (weight_row), slot 8j + 2c + v0
+        for r in cutlass.range_constexpr(row_tiles):
+            for j in cutlass.range_constexpr(m_atoms):
+                for v1 in cutlass.range_constexpr(2):
+                    for v0 in cutlass.range_constexpr(2):
+                        red[wk, 8 * j + 2 * c + v0, block_column(row_tiles, wn, r, v1, g)] = acc[(v0, v1), r, j]
+        cute.arch.sync_threads()
+
+        out = cute.make_tensor(out_ptr, cute.make_layout((m * top_k, n_out), stride=(n_out, 1)))
+        for idx in cutlass.range(tid, rows * block_out, threads):
+            slot = idx // block_out
+            col = idx % block_out
+            if const_expr(gate_up):
+                gate_col = gate_column(col)
+                gate = red[0, slot, gate_col]
+                up = red[0, slot, gate_col + 16]
+                for q in cutlass.range_constexpr(1, warps_k):
+                    gate += red[q, slot, gate_col]
+                    up += red[q, slot, gate_col + 16]
+                out[dst_pick[slot], tile * block_out + col] = _situ(gate, up, beta, linear_beta).to(BFloat16)
+            else:
+                total = red[0, slot, col]
+                for q in cutlass.range_constexpr(1, warps_k):
+                    total += red[q, slot, col]
+                out[dst_pick[slot], tile * block_out + col] = total.to(BFloat16)
+
+
+@cute.jit
+def _expert_gemv_host(
+    w_ptr: cute.Pointer, x_ptr: cute.Pointer, ids_ptr: cute.Pointer, out_ptr: cute.Pointer,
+    m: Int32, stream: cuda.CUstream,
+    n_experts: Constexpr, top_k: Constexpr, n_out: Constexpr, k: Constexpr,
+    gate_up: Constexpr, beta: Constexpr, linear_beta: Constexpr, m_atoms: Constexpr,
+    row_tiles: Constexpr, chunk_atoms: Constexpr, x_atoms: Constexpr,
+    warps_n: Constexpr, warps_k: Constexpr,
+):
+    block_out = 16 * warps_n * (1 if gate_up else row_tiles)
+    _expert_gemv_kernel(
+        w_ptr, x_ptr, ids_ptr, out_ptr, m, n_experts, top_k, n_out, k, gate_up, beta, linear_beta,
+        m_atoms, row_tiles, chunk_atoms, x_atoms, warps_n, warps_k,
+    ).launch(
+        grid=(m * top_k, n_out // block_out, 1),
+        block=(32 * warps_n * warps_k, 1, 1),
+        stream=stream,
+    )
+
+
+def _ptr(dtype: Any, address: int, align: int = 16) -> cute.Pointer:
+    return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
+
+
+def compile_expert_gemv(gate_up: bool, n_experts: int, top_k: int, n_out: int, k: int, m_atoms: int,
+                        beta: float | None, linear_beta: float | None, tiling: ExpertTiling,
+                        arch: str, ptx_dir: str | None = None) -> Any:
+    """Compile one GEMV pass (gate/up with SiTU, or down) for a static shape and arch; needs no GPU.
+
+    With ptx_dir the PTX is kept in the result's `artifacts.PTX` (and written into ptx_dir).
+    """
+    return cute.compile(
+        _expert_gemv_host,
+        _ptr(BFloat16, 16), _ptr(BFloat16, 16), _ptr(Int32, 16, 4), _ptr(BFloat16, 16),
+        Int32(1), cute.runtime.make_fake_stream(),
+        n_experts, top_k, n_out, k, gate_up, beta, linear_beta, m_atoms,
+        tiling.row_tiles, tiling.chunk_atoms, tiling.x_atoms, tiling.warps_n, tiling.warps_k,
+        options=f"--gpu-arch {arch}" + (f" --keep-ptx --dump-dir={ptx_dir}" if ptx_dir else ""),
+    )
+
+
+def check_envelope(x_lat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+                   w2: torch.Tensor, out: torch.Tensor | None) -> None:
+    """Raise MoEExpertsEnvelopeError naming what is outside the envelope (no GPU work)."""
+    def need(cond: bool, msg: str) -> None:
+        if not cond:
+            raise MoEExpertsEnvelopeError(f"moe_experts: {msg}")
+
+    named = {"x_lat": x_lat, "ids": ids, "weights": weights, "w13": w13, "w2": w2}
+    need(all(isinstance(t, torch.Tensor) for t in named.values()), "all inputs must be torch tensors")
+    need(x_lat.dim() == 2 and ids.dim() == 2 and weights.dim() == 2,
+         f"x_lat must be [M, H], ids and weights [M, k]; got {tuple(x_lat.shape)}, {tuple(ids.shape)}, "
+         f"{tuple(weights.shape)}")
+    need(w13.dim() == 3 and w2.dim() == 3,
+         f"w13 must be [E, 2·I, H] and w2 [E, H, I]; got {tuple(w13.shape)}, {tuple(w2.shape)}")
+    need(x_lat.dtype == torch.bfloat16 and w13.dtype == torch.bfloat16 and w2.dtype == torch.bfloat16,
+         f"x_lat, w13 and w2 must be bfloat16, got {x_lat.dtype}, {w13.dtype}, {w2.dtype}")
+    need(ids.dtype == torch.int32, f"ids must be int32, got {ids.dtype}; use ids.to(torch.int32)")
+    need(weights.dtype == torch.float32, f"weights must be float32, got {weights.dtype}")
+    (m, h), (e, i2, h13), (e2, h2, inter) = x_lat.shape, w13.shape, w2.shape
+    need(1 <= m <= MAX_ROWS, f"M={m} rows is outside 1..{MAX_ROWS}; split the batch into chunks of <= {MAX_ROWS}")
+    need(ids.shape == weights.shape and ids.shape[0] == m,
+         f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [M={m}, k]")
+    top_k = ids.shape[1]
+    need(1 <= top_k <= MAX_TOP_K, f"k={top_k} selected experts per row is outside 1..{MAX_TOP_K}")
+    need(e == e2 and e >= 1, f"w13 has E={e} experts but w2 has {e2}")
+    need(h13 == h and h2 == h, f"x_lat has H={h} but w13 is {tuple(w13.shape)} and w2 {tuple(w2.shape)}")
+    need(i2 == 2 * inter, f"w13 has {i2} rows per expert, must be 2·I = {2 * inter} to match w2's I={inter}")
+    need(h % 128 == 0, f"H={h} must be a multiple of 128")
+    need(inter % 64 == 0, f"I={inter} must be a multiple of 64; zero-pad the expert slices as ShardShapes.moe_inter does")
+    need(all(t.is_contiguous() for t in named.values()), "x_lat, ids, weights, w13 and w2 must be contiguous")
+    if out is not None:
+        need(isinstance(out, torch.Tensor) and out.shape == (m, h) and out.dtype == torch.bfloat16
+             and out.is_contiguous(), f"out must be a contiguous [{m}, {h}] bfloat16 tensor")
+        named["out"] = out
+    need(all(t.device.type == "cuda" for t in named.values()), "all tensors must be CUDA tensors")
+    need(all(t.device == x_lat.device for t in named.values()), "all tensors must be on one device")
+    need(all(t.data_ptr() % 16 == 0 for t in named.values()), "all tensors must be 16-byte aligned (fresh allocations are)")
+
+
+class _DeviceState:
+    """Per-device arch and the bf16 h / o buffers of each (k, I, H)."""
+
+    def __init__(self, device: torch.device) -> None:
+        major, minor = torch.cuda.get_device_capability(device)
+        self.arch = f"sm_{major}{minor}a"
+        self.device = device
+        self._buffers: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def buffers(self, top_k: int, inter: int, h: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """h [64·k, I] and o [64·k, H] bf16; rows of picks not made are never written or read."""
+        key = (top_k, inter, h)
+        if key not in self._buffers:
+            self._buffers[key] = (
+                torch.empty(MAX_ROWS * top_k, inter, dtype=torch.bfloat16, device=self.device),
+                torch.empty(MAX_ROWS * top_k, h, dtype=torch.bfloat16, device=self.device),
+            )
+        return self._buffers[key]
+
+
+_DEVICES: dict[torch.device, _DeviceState] = {}
+_COMPILED: dict[tuple, Any] = {}
+
+
+def _device_state(device: torch.device) -> _DeviceState:
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device not in _DEVICES:
+        _DEVICES[device] = _DeviceState(device)
+    return _DEVICES[device]
+
+
+def _gemv(dev: _DeviceState, gate_up: bool, w: torch.Tensor, x: torch.Tensor, ids: torch.Tensor,
+          out: torch.Tensor, m: int, n_out: int, k: int, beta: float | None, linear_beta: float | None,
+          stream: cuda.CUstream) -> None:
+    n_experts, top_k = w.shape[0], ids.shape[1]
+    m_atoms = -(-m // 8)
+    tiling = choose_tiling(gate_up, n_out, k, m_atoms)
+    key = (gate_up, n_experts, top_k, n_out, k, m_atoms, beta, linear_beta, dev.arch, tiling)
+    fn = _COMPILED.get(key)
+    if fn is None:
+        fn = _COMPILED[key] = compile_expert_gemv(gate_up, n_experts, top_k, n_out, k, m_atoms,
+                                                  beta, linear_beta, tiling, dev.arch)
+    fn(_ptr(BFloat16, w.data_ptr()), _ptr(BFloat16, x.data_ptr()), _ptr(Int32, ids.data_ptr(), 4),
+       _ptr(BFloat16, out.data_ptr()), m, stream)
+
+
+def launch(x_lat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
+           w2: torch.Tensor, out: torch.Tensor | None = None, *, beta: float | None = 4.0,
+           linear_beta: float | None = 25.0, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+    """y [M, H] bf16 = this rank's Σ_j w_j · expert_{ids_j}(x_lat) (module docstring) into `out`.
+
+    beta / linear_beta are SiTU's β and λ (None: no clip; both None is SiLU-and-mul), as
+    `reference/dense_mlp.py::activation_clips` gives them. Three launches on `stream` (default:
+    the current stream): gate/up, down, combine. The first call of a shape compiles (seconds).
+    """
+    check_envelope(x_lat, ids, weights, w13, w2, out)
+    m, h = x_lat.shape
+    top_k, inter = ids.shape[1], w2.shape[2]
+    dev = _device_state(x_lat.device)
+    hidden, expert_out = dev.buffers(top_k, inter, h)
+    if out is None:
+        out = torch.empty((m, h), dtype=torch.bfloat16, device=x_lat.device)
+    torch_stream = torch.cuda.current_stream(x_lat.device) if stream is None else stream
+    cu_stream = cuda.CUstream(torch_stream.cuda_stream)
+    _gemv(dev, True, w13, x_lat, ids, hidden, m, inter, h, beta, linear_beta, cu_stream)
+    _gemv(dev, False, w2, hidden, ids, expert_out, m, h, inter, None, None, cu_stream)
+    moe_combine.launch(expert_out, ids, weights, w13.shape[0], out, stream=torch_stream)
+    return out

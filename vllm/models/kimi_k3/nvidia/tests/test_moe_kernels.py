@@ -1,0 +1,467 @@
+"""MoE kernels against reference/moe.py: the routed experts (kernels/moe_experts.py +
+kernels/moe_combine.py) against `_routed_latent`, the router epilogue (kernels/moe_router.py)
+against `route`.
+
+CPU: envelope errors (raised before any CUDA use), the tiling of every K3 per-rank shape at
+every row bucket, and compile checks for sm_90a, sm_100a and sm_103a whose PTX must show the
+design (mma.sync m16n8k16, 16-byte global loads, no local memory, a 64-bit expert offset).
+GPU (marker `gpu`, not yet run): TP1/8/16 per-rank shapes, M in {1, 2, 3, 8, 16, 33, 64}, four
+router distributions (uniform, skewed, every row the same experts, padding rows/slots, an
+expert repeated within a row, which the router never emits but the kernels define), four
+input distributions, NaN-poisoned output and NaN-poisoned internal buffers (every value used
+must have been written), NaN planted in every expert no row selected (an unselected expert
+must not contribute), per-row ‖out − ref‖/‖ref‖ under a bound, repeat launches bit-identical,
+CUDA-graph capture and replay. Router (GPU): ids equal to the reference's and weights within
+fp32 rounding on normal logits, planted ties (quantized logits and bias), NaN and −inf logits,
+rows with fewer finite keys than k. With K3_EVIDENCE_DIR set the GPU results are written there
+as a "kernel-test" record.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install nvidia-cutlass-dsl==4.8.1)")
+
+from vllm.models.kimi_k3.nvidia.kernels import moe_combine, moe_experts, moe_router  # noqa: E402
+from vllm.models.kimi_k3.nvidia.latency_specialized.config import PRESETS  # noqa: E402
+from vllm.models.kimi_k3.nvidia.latency_specialized.evidence import write_record  # noqa: E402
+from vllm.models.kimi_k3.nvidia.reference.dense_mlp import activation_clips  # noqa: E402
+from vllm.models.kimi_k3.nvidia.reference.moe import _routed_latent, route  # noqa: E402
+
+K3 = PRESETS["k3"]
+H_LAT = K3.routed_expert_hidden_size
+TOP_K = K3.num_experts_per_token
+BETA, LINEAR_BETA = activation_clips(K3)
+# per-rank routed intermediate (padded) and the experts a test allocates (TP1's 896 experts
+# would be 59 GB; 128 of them exercise the same code)
+TP_SHAPES = {16: (K3.shard(16, 0).moe_inter, K3.num_experts), 8: (K3.shard(8, 0).moe_inter, K3.num_experts),
+             1: (K3.shard(1, 0).moe_inter, 128)}
+ROWS = (1, 2, 3, 8, 16, 33, 64)
+ROUTINGS = ("uniform", "skewed", "same_experts", "padding", "repeated_ids")
+DISTRIBUTIONS = ("normal", "heavy_tailed", "large", "tiny")
+# bf16 output rounding (2^-9) plus the reference's bf16 roundings of gate/up/h/o, which can
+# land one ulp apart when the fp32 sums are ordered differently
+REL_ERR_BOUND = 1e-2
+SOURCES = ("vllm/models/kimi_k3/nvidia/kernels/moe_experts.py",
+           "vllm/models/kimi_k3/nvidia/kernels/moe_combine.py",
+           "vllm/models/kimi_k3/nvidia/kernels/moe_router.py",
+           "vllm/models/kimi_k3/nvidia/tests/test_moe_kernels.py")
+
+
+def _draw(kind: str, shape: tuple[int, ...], gen: torch.Generator, device: str, scale: float = 1.0) -> torch.Tensor:
+    """Random bf16: normal, heavy-tailed (Student t, 3 dof), large-magnitude, near-zero."""
+    z = torch.randn(shape, generator=gen, device=device)
+    if kind == "heavy_tailed":
+        chi2 = sum(torch.randn(shape, generator=gen, device=device) ** 2 for _ in range(3))
+        z = z / (chi2 / 3).sqrt().clamp_min(1e-3)
+    elif kind == "large":
+        z = z * 3e3
+    elif kind == "tiny":
+        z = z * 1e-4
+    return (z * scale).to(torch.bfloat16)
+
+
+def _routing(kind: str, m: int, n_experts: int, gen: torch.Generator, device: str):
+    """(ids int32 [m, k], weights fp32 [m, k]): router-like weights; distinct experts per row
+    except for "repeated_ids" (slot 1 repeats slot 0, slot 5 repeats slot 3)."""
+    if kind == "skewed":  # a few experts take most rows: p ∝ 1/rank²
+        p = 1.0 / torch.arange(1, n_experts + 1, device=device, dtype=torch.float32) ** 2
+        ids = torch.multinomial(p.repeat(m, 1), TOP_K, replacement=False, generator=gen)
+    elif kind == "same_experts":
+        ids = torch.randperm(n_experts, generator=gen, device=device)[:TOP_K].expand(m, -1)
+        ids = ids[:, torch.randperm(TOP_K, generator=gen, device=device)]  # one order for all rows
+    else:
+        ids = torch.rand(m, n_experts, generator=gen, device=device).argsort(dim=1)[:, :TOP_K]
+    weights = torch.rand(m, TOP_K, generator=gen, device=device) + 0.05
+    weights = weights / weights.sum(-1, keepdim=True) * 2.5
+    ids = ids.to(torch.int32).contiguous()
+    if kind == "repeated_ids":
+        ids[:, 1] = ids[:, 0]
+        ids[:, 5] = ids[:, 3]
+    if kind == "padding":  # the last slots of every other row and (M > 1) the whole last row
+        ids[::2, TOP_K - 3:] = -1
+        if m > 1:
+            ids[-1] = -1
+        weights = weights.masked_fill(ids < 0, 0.0)
+    return ids, weights.contiguous()
+
+
+def _reference(x_lat, ids, weights, w13, w2):
+    """reference/moe.py's routed sum; padding picks become expert 0 at weight 0 (no contribution)."""
+    inter = w2.shape[2]
+    pad = ids < 0
+    ref_ids = ids.masked_fill(pad, 0).long()
+    ref_w = weights.masked_fill(pad, 0.0)
+    return _routed_latent(SimpleNamespace(w13=w13, w2=w2), K3, SimpleNamespace(moe_inter=inter),
+                          x_lat, ref_w, ref_ids)
+
+
+def _row_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """Worst row's ‖out − ref‖/‖ref‖; a row whose reference is zero must be exactly zero."""
+    diff = (out.float() - ref.float()).norm(dim=1)
+    norm = ref.float().norm(dim=1)
+    rel = torch.where(norm > 0, diff / norm.clamp_min(1e-30), torch.where(diff > 0, float("inf"), 0.0))
+    return float(rel.max())
+
+
+# ---------------------------------------------------------------- envelope (CPU)
+
+def _ok_inputs(m=2, k=4, e=8, inter=64, h=128):
+    return {"x_lat": torch.randn(m, h).to(torch.bfloat16),
+            "ids": torch.randint(0, e, (m, k), dtype=torch.int32),
+            "weights": torch.rand(m, k),
+            "w13": torch.randn(e, 2 * inter, h).to(torch.bfloat16),
+            "w2": torch.randn(e, h, inter).to(torch.bfloat16)}
+
+
+@pytest.mark.parametrize("case, match", [
+    ("x_dtype", "must be bfloat16"),
+    ("ids_dtype", "ids must be int32"),
+    ("w_dtype", "weights must be float32"),
+    ("rows", "M=65 rows"),
+    ("topk", "k=33"),
+    ("experts", "E=8 experts but w2 has 6"),
+    ("hidden", "x_lat has H=256 but w13 is (8, 128, 128)"),
+    ("inter_pair", "2·I = 128"),
+    ("inter64", "I=96 must be a multiple of 64"),
+    ("h128", "H=192 must be a multiple of 128"),
+    ("noncontig", "contiguous"),
+    ("out", "out must be"),
+    ("cpu", "CUDA tensors"),
+])
+def test_envelope_errors(case, match):
+    a = _ok_inputs()
+    out = None
+    if case == "x_dtype":
+        a["x_lat"] = a["x_lat"].float()
+    elif case == "ids_dtype":
+        a["ids"] = a["ids"].long()
+    elif case == "w_dtype":
+        a["weights"] = a["weights"].double()
+    elif case == "rows":
+        a = _ok_inputs(m=65)
+    elif case == "topk":
+        a = _ok_inputs(k=33, e=40)
+    elif case == "experts":
+        a["w2"] = a["w2"][:6]
+    elif case == "hidden":
+        a["x_lat"] = torch.randn(2, 256).to(torch.bfloat16)
+    elif case == "inter_pair":
+        a["w13"] = torch.randn(8, 96, 128).to(torch.bfloat16)
+    elif case == "inter64":
+        a = _ok_inputs(inter=96)
+    elif case == "h128":
+        a = _ok_inputs(h=192)
+    elif case == "noncontig":
+        a["ids"] = torch.randint(0, 8, (4, 2), dtype=torch.int32).t()
+    elif case == "out":
+        out = torch.empty(2, 64, dtype=torch.bfloat16)
+    with pytest.raises(moe_experts.MoEExpertsEnvelopeError, match=re.escape(match)):
+        moe_experts.launch(out=out, **a)
+
+
+def test_combine_envelope_errors():
+    o = torch.randn(8, 128).to(torch.bfloat16)
+    ids = torch.randint(0, 4, (2, 4), dtype=torch.int32)
+    w = torch.rand(2, 4)
+    with pytest.raises(moe_combine.MoECombineEnvelopeError, match=re.escape("needs at least M·k = 8")):
+        moe_combine.launch(o[:7], ids, w, 4, torch.empty(2, 128, dtype=torch.bfloat16))
+    with pytest.raises(moe_combine.MoECombineEnvelopeError, match="CUDA tensors"):
+        moe_combine.launch(o, ids, w, 4, torch.empty(2, 128, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("tp", sorted(TP_SHAPES))
+def test_tiling_covers_every_per_rank_shape(tp):
+    """CTAs tile each expert's output exactly, chunks tile K, every warp layout is launchable."""
+    inter = TP_SHAPES[tp][0]
+    for gate_up, n_out, k in ((True, inter, H_LAT), (False, H_LAT, inter)):
+        for m_atoms in range(1, 9):
+            t = moe_experts.choose_tiling(gate_up, n_out, k, m_atoms)
+            assert n_out % t.block_out(gate_up) == 0, (tp, gate_up, m_atoms, t)
+            assert k % t.chunk_k == 0, (tp, gate_up, m_atoms, t)
+            assert 64 <= 32 * t.warps_n * t.warps_k <= 256
+            assert t.warps_k <= k // t.chunk_k, "a warp along K without a chunk"
+            if gate_up:
+                assert t.row_tiles == 2, "gate/up pairs one gate and one up tile per warp"
+
+
+@pytest.mark.parametrize("tp", sorted(TP_SHAPES))
+@pytest.mark.parametrize("m_atoms", [1, 8])
+def test_index_maps_cover_each_weight_row_once_and_pair_gate_with_up(tp, m_atoms):
+    """The kernel's own index maps, on Python ints: over all CTAs, warps, lane groups and
+    register rows every weight row of an expert is loaded exactly once; the shared-memory
+    column each accumulator lands in is the one the epilogue reads for its output column; for
+    gate/up that column's gate and up sums come from weight rows n and I + n."""
+    inter = TP_SHAPES[tp][0]
+    for gate_up, n_out, k in ((True, inter, H_LAT), (False, H_LAT, inter)):
+        t = moe_experts.choose_tiling(gate_up, n_out, k, m_atoms)
+        block_out = t.block_out(gate_up)
+        seen = torch.zeros(2 * n_out if gate_up else n_out, dtype=torch.int32)
+        # block column -> weight row, for every CTA tile
+        for tile in range(n_out // block_out):
+            col_row = {}
+            for wn in range(t.warps_n):
+                for g in range(8):
+                    for r in range(t.row_tiles):
+                        for v1 in range(2):
+                            row = moe_experts.weight_row(gate_up, n_out, t.row_tiles, t.warps_n, tile, wn, g,
+                                                         2 * r + v1)
+                            seen[row] += 1
+                            col = moe_experts.block_column(t.row_tiles, wn, r, v1, g)
+                            assert col not in col_row, "two accumulators share a shared-memory column"
+                            col_row[col] = row
+            for col in range(block_out):
+                n = tile * block_out + col
+                if gate_up:
+                    gate_col = moe_experts.gate_column(col)
+                    assert col_row[gate_col] == n and col_row[gate_col + 16] == inter + n, (tp, tile, col)
+                else:
+                    assert col_row[col] == n, (tp, tile, col)
+        assert bool((seen == 1).all()), f"tp{tp} gate_up={gate_up}: weight rows loaded {seen.unique().tolist()} times"
+
+
+# ---------------------------------------------------------------- compile checks (CPU)
+
+COMPILE_CASES = [  # (pass, per-rank intermediate, m_atoms)
+    ("gate_up", 384, 1),   # TP8, M <= 8
+    ("down", 256, 8),      # TP16, M = 64
+]
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
+@pytest.mark.parametrize("which, inter, m_atoms", COMPILE_CASES)
+def test_expert_gemv_compiles_for_arch(arch, which, inter, m_atoms, tmp_path):
+    gate_up = which == "gate_up"
+    n_out, k = (inter, H_LAT) if gate_up else (H_LAT, inter)
+    t = moe_experts.choose_tiling(gate_up, n_out, k, m_atoms)
+    beta, lin = (BETA, LINEAR_BETA) if gate_up else (None, None)
+    ptx = moe_experts.compile_expert_gemv(gate_up, K3.num_experts, TOP_K, n_out, k, m_atoms, beta, lin, t,
+                                          arch, ptx_dir=str(tmp_path)).artifacts.PTX
+    assert f".target {arch}" in ptx
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+    assert "ld.global.v4.b32" in ptx  # 16-byte loads of W and x
+    assert not re.search(r"ld\.global\.(b16|v2)", ptx), "W or x loads split below 16 bytes"
+    assert "mul.wide.s32" in ptx or "mul.lo.s64" in ptx  # the expert's 64-bit weight offset
+    assert not re.search(r"\b(ld|st)\.local", ptx), "registers spilled to local memory"
+    if gate_up:
+        assert "ex2" in ptx  # σ(g) of the SiTU epilogue
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
+def test_combine_compiles_for_arch(arch, tmp_path):
+    ptx = moe_combine.compile_combine(K3.num_experts, TOP_K, H_LAT, arch, ptx_dir=str(tmp_path)).artifacts.PTX
+    assert f".target {arch}" in ptx
+    assert "ld.global.v4" in ptx and "st.global.v4" in ptx
+    assert not re.search(r"\b(ld|st)\.local", ptx)
+
+
+# ---------------------------------------------------------------- GPU checks
+
+@pytest.fixture(scope="module")
+def evidence():
+    results: list[dict] = []
+    yield results
+    where = os.environ.get("K3_EVIDENCE_DIR")
+    if where and results:
+        write_record(os.path.join(where, "moe_test.json"), "kernel-test", "moe",
+                     "K3_EVIDENCE_DIR=<dir> python -m pytest -q -m gpu "
+                     "vllm/models/kimi_k3/nvidia/tests/test_moe_kernels.py",
+                     SOURCES, results,
+                     targets=[{"name": "per-row rel_err below bound on every case", "target": "all pass",
+                               "value": sum(r["status"] == "pass" for r in results) / len(results),
+                               "met": all(r["status"] == "pass" for r in results)}],
+                     extra={"rel_err_bound": REL_ERR_BOUND})
+
+
+def _poison_buffers(device: torch.device, inter: int) -> None:
+    """NaN in the kernels' h / o buffers: a value read before it was written shows in the output."""
+    for buf in moe_experts._device_state(device).buffers(TOP_K, inter, H_LAT):
+        buf.fill_(float("nan"))
+
+
+@pytest.fixture(scope="module", params=sorted(TP_SHAPES, reverse=True), ids=lambda tp: f"tp{tp}")
+def expert_weights(request):
+    tp = request.param
+    inter, n_experts = TP_SHAPES[tp]
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False  # an fp32-summed oracle
+    gen = torch.Generator(device="cuda").manual_seed(1000 + tp)
+    # scaled so normal inputs give O(1) gate/up and outputs
+    w13 = _draw("normal", (n_experts, 2 * inter, H_LAT), gen, "cuda", scale=H_LAT ** -0.5)
+    w2 = _draw("normal", (n_experts, H_LAT, inter), gen, "cuda", scale=inter ** -0.5)
+    yield tp, w13, w2
+    del w13, w2
+    torch.cuda.empty_cache()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("routing", ROUTINGS)
+def test_matches_reference(expert_weights, routing, evidence):
+    tp, w13, w2 = expert_weights
+    n_experts, inter = w13.shape[0], w2.shape[2]
+    gen = torch.Generator(device="cuda").manual_seed(tp * 31 + ROUTINGS.index(routing))
+    failures = []
+    for dist in DISTRIBUTIONS:
+        for m in ROWS:
+            x_lat = _draw(dist, (m, H_LAT), gen, "cuda")
+            ids, weights = _routing(routing, m, n_experts, gen, "cuda")
+            out = torch.full((m, H_LAT), float("nan"), dtype=torch.bfloat16, device="cuda")
+            moe_experts.launch(x_lat, ids, weights, w13, w2)  # compiles and allocates the buffers
+            _poison_buffers(x_lat.device, inter)
+            moe_experts.launch(x_lat, ids, weights, w13, w2, out, beta=BETA, linear_beta=LINEAR_BETA)
+            ref = _reference(x_lat, ids, weights, w13, w2)
+            unwritten = int(torch.isnan(out).sum())
+            rel = _row_rel_err(out, ref)
+            ok = unwritten == 0 and rel < REL_ERR_BOUND
+            evidence.append({"name": f"tp{tp} {routing} M={m} {dist}", "status": "pass" if ok else "fail",
+                             "shape": {"tp": tp, "m": m, "experts": n_experts, "inter": inter, "h_lat": H_LAT,
+                                       "top_k": TOP_K},
+                             "routing": routing, "distribution": dist, "rel_err_max_row": rel,
+                             "unwritten": unwritten})
+            if not ok:
+                failures.append(f"M={m} {dist}: row rel_err {rel:.2e} (bound {REL_ERR_BOUND:.0e}), {unwritten} NaN")
+    assert not failures, f"tp{tp} {routing}: " + "; ".join(failures)
+
+
+@pytest.mark.gpu
+def test_unselected_experts_do_not_contribute(expert_weights, evidence):
+    """NaN in every expert no row picked: the output stays finite and equal to the reference."""
+    tp, w13, w2 = expert_weights
+    n_experts = w13.shape[0]
+    gen = torch.Generator(device="cuda").manual_seed(77 + tp)
+    m = 33
+    x_lat = _draw("normal", (m, H_LAT), gen, "cuda")
+    ids, weights = _routing("skewed", m, n_experts, gen, "cuda")
+    unpicked = torch.ones(n_experts, dtype=torch.bool, device="cuda")
+    unpicked[ids.flatten().long()] = False
+    w13_p, w2_p = w13.clone(), w2.clone()
+    w13_p[unpicked] = float("nan")
+    w2_p[unpicked] = float("nan")
+    out = moe_experts.launch(x_lat, ids, weights, w13_p, w2_p)
+    rel = _row_rel_err(out, _reference(x_lat, ids, weights, w13, w2))
+    ok = bool(torch.isfinite(out).all()) and rel < REL_ERR_BOUND
+    evidence.append({"name": f"tp{tp} NaN in unselected experts M={m}", "status": "pass" if ok else "fail",
+                     "rel_err_max_row": rel, "unselected_experts": int(unpicked.sum())})
+    del w13_p, w2_p
+    assert ok, f"tp{tp}: rel_err {rel:.2e}, finite {bool(torch.isfinite(out).all())}"
+
+
+@pytest.mark.gpu
+def test_repeat_launch_and_cuda_graph(expert_weights):
+    """Repeat launches are bit-identical; a captured launch replays on new ids and inputs."""
+    tp, w13, w2 = expert_weights
+    n_experts = w13.shape[0]
+    gen = torch.Generator(device="cuda").manual_seed(5 + tp)
+    m = 5
+    x_lat = _draw("normal", (m, H_LAT), gen, "cuda")
+    ids, weights = _routing("uniform", m, n_experts, gen, "cuda")
+    first = moe_experts.launch(x_lat, ids, weights, w13, w2)
+    for _ in range(3):
+        assert torch.equal(moe_experts.launch(x_lat, ids, weights, w13, w2), first)
+    out = torch.full_like(first, float("nan"))
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        moe_experts.launch(x_lat, ids, weights, w13, w2, out)
+        torch.cuda.synchronize()
+        out.fill_(float("nan"))
+        with torch.cuda.graph(graph, stream=stream):
+            moe_experts.launch(x_lat, ids, weights, w13, w2, out)
+    torch.cuda.synchronize()
+    assert torch.isnan(out).all(), "capture ran the kernels instead of recording them"
+    new_ids, new_weights = _routing("skewed", m, n_experts, gen, "cuda")
+    x_lat.copy_(_draw("large", (m, H_LAT), gen, "cuda"))
+    ids.copy_(new_ids)
+    weights.copy_(new_weights)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert _row_rel_err(out, _reference(x_lat, ids, weights, w13, w2)) < REL_ERR_BOUND
+
+
+# ---------------------------------------------------------------- router
+
+ROUTER_LOGITS = ("normal", "ties", "nan_and_inf", "few_finite")
+
+
+def _router_inputs(kind: str, m: int, gen: torch.Generator, device: str):
+    """fp32 logits [m, E] and bias [E]; "ties" quantizes both so equal keys are common."""
+    n_experts = K3.num_experts
+    logits = torch.randn(m, n_experts, generator=gen, device=device) * 2
+    bias = torch.randn(n_experts, generator=gen, device=device) * 0.1
+    if kind == "ties":
+        logits = (logits * 2).round() / 2
+        bias = torch.randint(0, 3, (n_experts,), generator=gen, device=device).float() * 0.25
+    elif kind == "nan_and_inf":
+        logits[torch.rand(m, n_experts, generator=gen, device=device) < 0.1] = float("nan")
+        logits[torch.rand(m, n_experts, generator=gen, device=device) < 0.1] = float("-inf")
+    elif kind == "few_finite":  # 10 live keys per row, the rest NaN: NaN picks by index after them
+        keep = torch.rand(m, n_experts, generator=gen, device=device).argsort(dim=1)[:, :10]
+        nan = torch.full_like(logits, float("nan"))
+        logits = nan.scatter(1, keep, logits.gather(1, keep))
+    return logits.contiguous(), bias.contiguous()
+
+
+@pytest.mark.parametrize("case, match", [
+    ("dtype", "must be float32"),
+    ("experts", "multiple of 32"),
+    ("topk", "top_k=40"),
+    ("bias", "bias must be [64]"),
+    ("rows", "M=65"),
+    ("cpu", "CUDA tensors"),
+])
+def test_router_envelope_errors(case, match):
+    logits, bias, top_k = torch.randn(4, 64), torch.randn(64), 8
+    if case == "dtype":
+        logits = logits.to(torch.bfloat16)
+    elif case == "experts":
+        logits, bias = torch.randn(4, 80), torch.randn(80)
+    elif case == "topk":
+        top_k = 40
+    elif case == "bias":
+        bias = torch.randn(32)
+    elif case == "rows":
+        logits = torch.randn(65, 64)
+    with pytest.raises(moe_router.MoERouterEnvelopeError, match=re.escape(match)):
+        moe_router.launch(logits, bias, top_k)
+
+
+# K3's shape unrolls 16 rounds over 28 keys per lane (~7 s a compile): once; a small shape on
+# the other archs
+@pytest.mark.parametrize("arch, n_experts, top_k", [("sm_90a", K3.num_experts, TOP_K),
+                                                     ("sm_100a", 128, 4), ("sm_103a", 128, 4)])
+def test_router_compiles_for_arch(arch, n_experts, top_k, tmp_path):
+    ptx = moe_router.compile_router(n_experts, top_k, True, K3.routed_scaling_factor, arch,
+                                    ptx_dir=str(tmp_path)).artifacts.PTX
+    assert f".target {arch}" in ptx
+    assert ptx.count("shfl.sync.bfly") == 4 * 5 * top_k  # (class, key, index, score) × 5 steps × k rounds
+    assert not re.search(r"\b(ld|st)\.local", ptx), "the per-lane keys spilled to local memory"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kind", ROUTER_LOGITS)
+def test_router_matches_reference(kind, evidence):
+    gen = torch.Generator(device="cuda").manual_seed(900 + ROUTER_LOGITS.index(kind))
+    failures = []
+    for m in ROWS:
+        logits, bias = _router_inputs(kind, m, gen, "cuda")
+        w_out = torch.full((m, TOP_K), float("nan"), device="cuda")
+        ids_out = torch.full((m, TOP_K), -7, dtype=torch.int32, device="cuda")
+        moe_router.launch(logits, bias, TOP_K, renormalize=K3.moe_renormalize,
+                          routed_scaling_factor=K3.routed_scaling_factor, weights_out=w_out, ids_out=ids_out)
+        ref_w, ref_ids = route(logits, bias, K3)
+        ids_equal = bool(torch.equal(ids_out.long(), ref_ids))
+        w_close = bool(torch.allclose(w_out, ref_w, rtol=1e-5, atol=1e-7, equal_nan=True))
+        ok = ids_equal and w_close
+        evidence.append({"name": f"router {kind} M={m}", "status": "pass" if ok else "fail",
+                         "ids_equal": ids_equal, "weights_close": w_close,
+                         "max_abs_weight_err": float((w_out - ref_w).abs().nan_to_num(0.0).max())})
+        if not ok:
+            failures.append(f"M={m}: ids equal {ids_equal}, weights close {w_close}")
+    assert not failures, f"router {kind}: " + "; ".join(failures)
