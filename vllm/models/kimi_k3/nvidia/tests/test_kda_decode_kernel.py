@@ -22,7 +22,6 @@ capture and replay. With K3_EVIDENCE_DIR set the GPU results are written there a
 
 from __future__ import annotations
 
-import os
 import random
 import re
 import shutil
@@ -41,7 +40,7 @@ from vllm.models.kimi_k3.nvidia.kernels.kda_decode import (  # noqa: E402
     KdaEnvelopeError,
 )
 from vllm.models.kimi_k3.nvidia.latency_specialized.config import preset  # noqa: E402
-from vllm.models.kimi_k3.nvidia.latency_specialized.evidence import write_record  # noqa: E402
+from vllm.models.kimi_k3.nvidia.tests._evidence import record_kernel_test  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.collective import SingleRank  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.kda import (  # noqa: E402
     _gated_rms_norm,
@@ -458,15 +457,9 @@ def check_step(name: str, step: Step, rec0, conv0, got, rows: list[dict], failur
 def evidence():
     results: list[dict] = []
     yield results
-    where = os.environ.get("K3_EVIDENCE_DIR")
-    if where and results:
-        write_record(os.path.join(where, "kda_decode_test.json"), "kernel-test", "kda",
-                     "K3_EVIDENCE_DIR=<dir> python -m pytest -q -m gpu " + TEST_FILE, SOURCES, results,
-                     targets=[{"name": "every case within its bounds, every output written, state exact where "
-                                       "untouched", "target": "all pass",
-                               "value": sum(r["status"] == "pass" for r in results) / len(results),
-                               "met": all(r["status"] == "pass" for r in results)}],
-                     extra={"rel_err_bound": {"out": OUT_REL_ERR_BOUND, "state": STATE_REL_ERR_BOUND}})
+    record_kernel_test("kda_decode_test.json", "kda", TEST_FILE, SOURCES, results,
+                       "every case within its bounds, every output written, state exact where untouched",
+                       extra={"rel_err_bound": {"out": OUT_REL_ERR_BOUND, "state": STATE_REL_ERR_BOUND}})
 
 
 # ---------------------------------------------------------------- GPU: against the reference

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import os
 import random
 import re
 import shutil
@@ -34,7 +33,7 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip 
 
 from vllm.models.kimi_k3.nvidia.kernels import mla_combine, mla_decode  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.mla_decode import CHUNK, DecodePlan, schedule  # noqa: E402
-from vllm.models.kimi_k3.nvidia.latency_specialized.evidence import write_record  # noqa: E402
+from vllm.models.kimi_k3.nvidia.tests._evidence import record_kernel_test  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.mla import attend_absorbed  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.ops import acc_dtype  # noqa: E402
 
@@ -382,17 +381,10 @@ def test_combine_compiles_for_arch(arch, tmp_path):
 def evidence():
     results: list[dict] = []
     yield results
-    where = os.environ.get("K3_EVIDENCE_DIR")
-    if where and results:
-        write_record(os.path.join(where, "mla_decode_test.json"), "kernel-test", "mla",
-                     "K3_EVIDENCE_DIR=<dir> python -m pytest -q -m gpu "
-                     "vllm/models/kimi_k3/nvidia/tests/test_mla_decode_kernel.py",
-                     SOURCES, results,
-                     targets=[{"name": "rel_err below bound, every element written, on every case",
-                               "target": "all pass",
-                               "value": sum(r["status"] == "pass" for r in results) / len(results),
-                               "met": all(r["status"] == "pass" for r in results)}],
-                     extra={"rel_err_bound": REL_ERR_BOUND})
+    record_kernel_test("mla_decode_test.json", "mla",
+                       "vllm/models/kimi_k3/nvidia/tests/test_mla_decode_kernel.py", SOURCES, results,
+                       "rel_err below bound, every element written, on every case",
+                       extra={"rel_err_bound": REL_ERR_BOUND})
 
 
 def _run_case(name: str, b: Batch, evidence: list, **launch_kw) -> list[str]:

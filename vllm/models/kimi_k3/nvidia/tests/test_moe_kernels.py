@@ -19,7 +19,6 @@ as a "kernel-test" record.
 
 from __future__ import annotations
 
-import os
 import re
 from types import SimpleNamespace
 
@@ -30,7 +29,7 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip 
 
 from vllm.models.kimi_k3.nvidia.kernels import moe_combine, moe_experts, moe_router  # noqa: E402
 from vllm.models.kimi_k3.nvidia.latency_specialized.config import PRESETS  # noqa: E402
-from vllm.models.kimi_k3.nvidia.latency_specialized.evidence import write_record  # noqa: E402
+from vllm.models.kimi_k3.nvidia.tests._evidence import record_kernel_test  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.dense_mlp import activation_clips  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.moe import _routed_latent, route  # noqa: E402
 
@@ -267,16 +266,10 @@ def test_combine_compiles_for_arch(arch, tmp_path):
 def evidence():
     results: list[dict] = []
     yield results
-    where = os.environ.get("K3_EVIDENCE_DIR")
-    if where and results:
-        write_record(os.path.join(where, "moe_test.json"), "kernel-test", "moe",
-                     "K3_EVIDENCE_DIR=<dir> python -m pytest -q -m gpu "
-                     "vllm/models/kimi_k3/nvidia/tests/test_moe_kernels.py",
-                     SOURCES, results,
-                     targets=[{"name": "per-row rel_err below bound on every case", "target": "all pass",
-                               "value": sum(r["status"] == "pass" for r in results) / len(results),
-                               "met": all(r["status"] == "pass" for r in results)}],
-                     extra={"rel_err_bound": REL_ERR_BOUND})
+    record_kernel_test("moe_test.json", "moe",
+                       "vllm/models/kimi_k3/nvidia/tests/test_moe_kernels.py", SOURCES, results,
+                       "per-row rel_err below bound on every case",
+                       extra={"rel_err_bound": REL_ERR_BOUND})
 
 
 def _poison_buffers(device: torch.device, inter: int) -> None:

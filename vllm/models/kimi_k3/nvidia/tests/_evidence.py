@@ -1,0 +1,24 @@
+"""The kernel-test record a GPU test module leaves behind when K3_EVIDENCE_DIR is set."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Sequence
+
+from vllm.models.kimi_k3.nvidia.latency_specialized.evidence import write_record
+
+
+def record_kernel_test(filename: str, family: str, test_file: str, sources: Sequence[str],
+                       results: list[dict], target: str, extra: dict[str, Any] | None = None) -> str | None:
+    """Write `results` as one kernel-test record into $K3_EVIDENCE_DIR; returns its path (None: not asked)."""
+    where = os.environ.get("K3_EVIDENCE_DIR")
+    if not (where and results):
+        return None
+    passed = [r["status"] == "pass" for r in results]
+    path = os.path.join(where, filename)
+    write_record(path, "kernel-test", family, f"K3_EVIDENCE_DIR=<dir> python -m pytest -q -m gpu {test_file}",
+                 list(sources), results,
+                 targets=[{"name": target, "target": "all pass", "value": sum(passed) / len(passed),
+                           "met": all(passed)}],
+                 extra=extra)
+    return path
