@@ -115,6 +115,14 @@ class DecodeState:
 
     # ------------------------------------------------------------------ steps
 
+    def padding(self, row0: int, n: int) -> Segment:
+        """n rows of a dummy request that pad a step to its CUDA-graph bucket: every slot is
+        the null slot 0 and every block the null block 0, so it reads scratch, writes
+        nothing a request owns, and its rows are discarded."""
+        return Segment(request=-1, row0=row0, n=n, prefill=False, pos0=0, rec_slots=[0] * n,
+                       rec_read_slot=0, conv_slot=0, accepted=1,
+                       block_table=torch.zeros_like(self.block_table[0]))
+
     def segment(self, r: int, row0: int, n: int, prefill: bool) -> Segment:
         if not self.in_use[r]:
             raise StateError(f"request slot {r} is not allocated")
@@ -130,7 +138,10 @@ class DecodeState:
                        conv_slot=self.conv_slot(r), accepted=a, block_table=self.block_table[r])
 
     def commit(self, seg: Segment) -> None:
-        """Record that the step ran: all n tokens are cached; prefill/plain decode accept all."""
+        """Record that the step ran: all n tokens are cached; prefill/plain decode accept all.
+        Padding segments (request < 0) belong to no request and change nothing."""
+        if seg.request < 0:
+            return
         self.seq_lens[seg.request] = seg.pos0 + seg.n
         self.accepted[seg.request] = 1 if (seg.prefill or seg.n == 1) else seg.n
 
