@@ -36,7 +36,7 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32
-from cutlass.cute.runtime import make_ptr
+from .rms_norm import gmem_ptr
 
 LATENT = 512
 GROUPS = 4  # warps, each merging every fourth batch of splits
@@ -127,15 +127,12 @@ def _mla_combine_host(ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, info_ptr:
         grid=(slots, 1, 1), block=(32 * GROUPS, 1, 1), stream=stream)
 
 
-def _ptr(dtype: Any, address: int, align: int = 16) -> cute.Pointer:
-    return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
-
 
 def compile_mla_combine(tile_rows: int, arch: str, ptx_dir: str | None = None) -> Any:
     """Compile for one tile height and arch ('sm_90a', 'sm_100a', 'sm_103a'); needs no GPU. With
     `ptx_dir` the PTX is kept (written there, and in the result's `artifacts.PTX`)."""
-    f32 = _ptr(Float32, 16)
-    return cute.compile(_mla_combine_host, f32, f32, _ptr(Int32, 16, 4), _ptr(BFloat16, 16), Int32(1), Int32(1),
+    f32 = gmem_ptr(Float32, 16)
+    return cute.compile(_mla_combine_host, f32, f32, gmem_ptr(Int32, 16, 4), gmem_ptr(BFloat16, 16), Int32(1), Int32(1),
                         cute.runtime.make_fake_stream(), tile_rows,
                         options=f"--gpu-arch {arch}" + (f" --keep-ptx --dump-dir {ptx_dir}" if ptx_dir else ""))
 
@@ -152,5 +149,5 @@ def launch(ws_o: torch.Tensor, ws_ml: torch.Tensor, info: torch.Tensor, out: tor
     fn = _COMPILED.get(key)
     if fn is None:
         fn = _COMPILED[key] = compile_mla_combine(tile_rows, arch)
-    fn(_ptr(Float32, ws_o.data_ptr()), _ptr(Float32, ws_ml.data_ptr()), _ptr(Int32, info.data_ptr(), 4),
-       _ptr(BFloat16, out.data_ptr()), slots, out.shape[0] * out.shape[1], stream)
+    fn(gmem_ptr(Float32, ws_o.data_ptr()), gmem_ptr(Float32, ws_ml.data_ptr()), gmem_ptr(Int32, info.data_ptr(), 4),
+       gmem_ptr(BFloat16, out.data_ptr()), slots, out.shape[0] * out.shape[1], stream)

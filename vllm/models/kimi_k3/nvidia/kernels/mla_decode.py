@@ -64,9 +64,9 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64
-from cutlass.cute.runtime import make_ptr
 
 from . import mla_combine
+from .rms_norm import device_arch, gmem_ptr
 
 LATENT = 512  # r_kv: the value width
 ROW = 576  # r_kv + d_r: one cache row, one q_lat row
@@ -559,14 +559,11 @@ def _mla_decode_host(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cu
         grid=(slots, 1, 1), block=(THREADS, 1, 1), stream=stream)
 
 
-def _ptr(dtype: Any, address: int, align: int = 16) -> cute.Pointer:
-    return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
-
 
 def compile_mla_decode(plan: DecodePlan, arch: str, ptx_dir: str | None = None) -> Any:
     """Compile one variant for `arch` ('sm_90a', 'sm_100a', 'sm_103a'); needs no GPU. With `ptx_dir`
     the PTX is kept (written there, and in the result's `artifacts.PTX`)."""
-    bf, i32, f32 = _ptr(BFloat16, 16), _ptr(Int32, 16, 4), _ptr(Float32, 16)
+    bf, i32, f32 = gmem_ptr(BFloat16, 16), gmem_ptr(Int32, 16, 4), gmem_ptr(Float32, 16)
     return cute.compile(_mla_decode_host, bf, bf, i32, i32, i32, bf, f32, f32, i32,
                         Int32(1), Int32(1), Int32(2), Int32(1), Int32(1), Int32(1), Int32(1),
                         cute.runtime.make_fake_stream(), plan,
@@ -641,8 +638,7 @@ class _DeviceState:
     """Per-device facts and the shared split workspaces."""
 
     def __init__(self, device: torch.device) -> None:
-        major, minor = torch.cuda.get_device_capability(device)
-        self.arch = f"sm_{major}{minor}a"
+        self.arch = device_arch(device)
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
         self.device = device
         self._scratch: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -709,9 +705,10 @@ def launch(q_lat: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
         out = torch.empty((rows, heads, LATENT), dtype=torch.bfloat16, device=q_lat.device)
     stream = torch.cuda.current_stream(q_lat.device) if stream is None else stream
     cu_stream = cuda.CUstream(stream.cuda_stream)
-    fn(_ptr(BFloat16, q_lat.data_ptr()), _ptr(BFloat16, cache.data_ptr()), _ptr(Int32, block_table.data_ptr(), 4),
-       _ptr(Int32, seq_lens.data_ptr(), 4), _ptr(Int32, query_start.data_ptr(), 4), _ptr(BFloat16, out.data_ptr()),
-       _ptr(Float32, ws_o.data_ptr()), _ptr(Float32, ws_ml.data_ptr()), _ptr(Int32, info.data_ptr(), 4),
+    fn(gmem_ptr(BFloat16, q_lat.data_ptr()), gmem_ptr(BFloat16, cache.data_ptr()),
+       gmem_ptr(Int32, block_table.data_ptr(), 4), gmem_ptr(Int32, seq_lens.data_ptr(), 4),
+       gmem_ptr(Int32, query_start.data_ptr(), 4), gmem_ptr(BFloat16, out.data_ptr()),
+       gmem_ptr(Float32, ws_o.data_ptr()), gmem_ptr(Float32, ws_ml.data_ptr()), gmem_ptr(Int32, info.data_ptr(), 4),
        rows, requests, num_blocks, max_blocks, slots, target, min_chunks, cu_stream)
     mla_combine.launch(ws_o, ws_ml, info, out, slots, plan.tile_rows, dev.arch, cu_stream)
     return out

@@ -25,7 +25,7 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32
-from cutlass.cute.runtime import make_ptr
+from .rms_norm import device_arch, gmem_ptr
 
 MAX_ROWS = 64
 MAX_TOP_K = 32
@@ -79,14 +79,11 @@ def _combine_host(o_ptr: cute.Pointer, ids_ptr: cute.Pointer, w_ptr: cute.Pointe
         grid=(m, (h // 8 + THREADS - 1) // THREADS, 1), block=(THREADS, 1, 1), stream=stream)
 
 
-def _ptr(dtype: Any, address: int, align: int = 16) -> cute.Pointer:
-    return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
-
 
 def compile_combine(n_experts: int, top_k: int, h: int, arch: str, ptx_dir: str | None = None) -> Any:
     """Compile for one static shape and arch; needs no GPU (PTX kept with ptx_dir)."""
     return cute.compile(
-        _combine_host, _ptr(BFloat16, 16), _ptr(Int32, 16, 4), _ptr(Float32, 16, 4), _ptr(BFloat16, 16),
+        _combine_host, gmem_ptr(BFloat16, 16), gmem_ptr(Int32, 16, 4), gmem_ptr(Float32, 16, 4), gmem_ptr(BFloat16, 16),
         Int32(1), cute.runtime.make_fake_stream(), n_experts, top_k, h,
         options=f"--gpu-arch {arch}" + (f" --keep-ptx --dump-dir={ptx_dir}" if ptx_dir else ""),
     )
@@ -129,13 +126,12 @@ def launch(o: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, n_experts: int, 
     (m, top_k), h = ids.shape, o.shape[1]
     device = o.device if o.device.index is not None else torch.device("cuda", torch.cuda.current_device())
     if device not in _ARCH:
-        major, minor = torch.cuda.get_device_capability(device)
-        _ARCH[device] = f"sm_{major}{minor}a"
+        _ARCH[device] = device_arch(device)
     key = (n_experts, top_k, h, _ARCH[device])
     fn = _COMPILED.get(key)
     if fn is None:
         fn = _COMPILED[key] = compile_combine(n_experts, top_k, h, _ARCH[device])
     stream = torch.cuda.current_stream(device) if stream is None else stream
-    fn(_ptr(BFloat16, o.data_ptr()), _ptr(Int32, ids.data_ptr(), 4), _ptr(Float32, w.data_ptr(), 4),
-       _ptr(BFloat16, y.data_ptr()), m, cuda.CUstream(stream.cuda_stream))
+    fn(gmem_ptr(BFloat16, o.data_ptr()), gmem_ptr(Int32, ids.data_ptr(), 4), gmem_ptr(Float32, w.data_ptr(), 4),
+       gmem_ptr(BFloat16, y.data_ptr()), m, cuda.CUstream(stream.cuda_stream))
     return y

@@ -46,9 +46,9 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, const_expr
-from cutlass.cute.runtime import make_ptr
 
 from . import moe_combine
+from .rms_norm import device_arch, gmem_ptr
 
 MAX_ROWS = 64
 MAX_TOP_K = 32
@@ -335,9 +335,6 @@ def _expert_gemv_host(
     )
 
 
-def _ptr(dtype: Any, address: int, align: int = 16) -> cute.Pointer:
-    return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
-
 
 def compile_expert_gemv(gate_up: bool, n_experts: int, top_k: int, n_out: int, k: int, m_atoms: int,
                         beta: float | None, linear_beta: float | None, tiling: ExpertTiling,
@@ -348,7 +345,7 @@ def compile_expert_gemv(gate_up: bool, n_experts: int, top_k: int, n_out: int, k
     """
     return cute.compile(
         _expert_gemv_host,
-        _ptr(BFloat16, 16), _ptr(BFloat16, 16), _ptr(Int32, 16, 4), _ptr(BFloat16, 16),
+        gmem_ptr(BFloat16, 16), gmem_ptr(BFloat16, 16), gmem_ptr(Int32, 16, 4), gmem_ptr(BFloat16, 16),
         Int32(1), cute.runtime.make_fake_stream(),
         n_experts, top_k, n_out, k, gate_up, beta, linear_beta, m_atoms,
         tiling.row_tiles, tiling.chunk_atoms, tiling.x_atoms, tiling.warps_n, tiling.warps_k,
@@ -399,8 +396,7 @@ class _DeviceState:
     """Per-device arch and the bf16 h / o buffers of each (k, I, H)."""
 
     def __init__(self, device: torch.device) -> None:
-        major, minor = torch.cuda.get_device_capability(device)
-        self.arch = f"sm_{major}{minor}a"
+        self.arch = device_arch(device)
         self.device = device
         self._buffers: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -438,8 +434,8 @@ def _gemv(dev: _DeviceState, gate_up: bool, w: torch.Tensor, x: torch.Tensor, id
     if fn is None:
         fn = _COMPILED[key] = compile_expert_gemv(gate_up, n_experts, top_k, n_out, k, m_atoms,
                                                   beta, linear_beta, tiling, dev.arch)
-    fn(_ptr(BFloat16, w.data_ptr()), _ptr(BFloat16, x.data_ptr()), _ptr(Int32, ids.data_ptr(), 4),
-       _ptr(BFloat16, out.data_ptr()), m, stream)
+    fn(gmem_ptr(BFloat16, w.data_ptr()), gmem_ptr(BFloat16, x.data_ptr()), gmem_ptr(Int32, ids.data_ptr(), 4),
+       gmem_ptr(BFloat16, out.data_ptr()), m, stream)
 
 
 def launch(x_lat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,

@@ -32,7 +32,7 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Constexpr, Float32, Int32, const_expr
-from cutlass.cute.runtime import make_ptr
+from .rms_norm import device_arch, gmem_ptr
 
 MAX_ROWS = 64
 MAX_EXPERTS = 1024
@@ -139,15 +139,13 @@ def _router_host(logits_ptr: cute.Pointer, bias_ptr: cute.Pointer, w_ptr: cute.P
         grid=(m, 1, 1), block=(32, 1, 1), stream=stream)
 
 
-def _ptr(dtype: Any, address: int) -> cute.Pointer:
-    return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=4)
-
 
 def compile_router(n_experts: int, top_k: int, renormalize: bool, scale: float, arch: str,
                    ptx_dir: str | None = None) -> Any:
     """Compile for one static shape and arch; needs no GPU (PTX kept with ptx_dir)."""
     return cute.compile(
-        _router_host, _ptr(Float32, 16), _ptr(Float32, 16), _ptr(Float32, 16), _ptr(Int32, 16),
+        _router_host, gmem_ptr(Float32, 16, 4), gmem_ptr(Float32, 16, 4), gmem_ptr(Float32, 16, 4),
+        gmem_ptr(Int32, 16, 4),
         Int32(1), cute.runtime.make_fake_stream(), n_experts, top_k, renormalize, float(scale),
         options=f"--gpu-arch {arch}" + (f" --keep-ptx --dump-dir={ptx_dir}" if ptx_dir else ""),
     )
@@ -191,8 +189,7 @@ def launch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, *, renormalize:
                                          f"tensor on {logits.device}")
     device = logits.device if logits.device.index is not None else torch.device("cuda", torch.cuda.current_device())
     if device not in _ARCH:
-        major, minor = torch.cuda.get_device_capability(device)
-        _ARCH[device] = f"sm_{major}{minor}a"
+        _ARCH[device] = device_arch(device)
     key = (n_experts, top_k, renormalize, float(routed_scaling_factor), _ARCH[device])
     fn = _COMPILED.get(key)
     if fn is None:
@@ -200,6 +197,7 @@ def launch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, *, renormalize:
     weights_out = torch.empty(m, top_k, dtype=torch.float32, device=device) if weights_out is None else weights_out
     ids_out = torch.empty(m, top_k, dtype=torch.int32, device=device) if ids_out is None else ids_out
     stream = torch.cuda.current_stream(device) if stream is None else stream
-    fn(_ptr(Float32, logits.data_ptr()), _ptr(Float32, bias.data_ptr()), _ptr(Float32, weights_out.data_ptr()),
-       _ptr(Int32, ids_out.data_ptr()), m, cuda.CUstream(stream.cuda_stream))
+    fn(gmem_ptr(Float32, logits.data_ptr(), 4), gmem_ptr(Float32, bias.data_ptr(), 4),
+       gmem_ptr(Float32, weights_out.data_ptr(), 4),
+       gmem_ptr(Int32, ids_out.data_ptr(), 4), m, cuda.CUstream(stream.cuda_stream))
     return weights_out, ids_out
