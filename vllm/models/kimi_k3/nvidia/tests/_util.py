@@ -17,6 +17,22 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm() / ref.norm().clamp_min(1e-300))
 
 
+DISTRIBUTIONS = ("normal", "heavy_tailed", "large", "tiny")
+
+
+def draw(kind: str, shape: tuple[int, ...], gen: torch.Generator, device: str, scale: float = 1.0) -> torch.Tensor:
+    """Random bf16 kernel inputs: normal, heavy-tailed (Student t, 3 dof), large-magnitude, near-zero."""
+    z = torch.randn(shape, generator=gen, device=device)
+    if kind == "heavy_tailed":  # t = z / sqrt(chi2_3 / 3)
+        chi2 = sum(torch.randn(shape, generator=gen, device=device) ** 2 for _ in range(3))
+        z = z / (chi2 / 3).sqrt().clamp_min(1e-3)
+    elif kind == "large":
+        z = z * 3e3
+    elif kind == "tiny":
+        z = z * 1e-4
+    return (z * scale).to(torch.bfloat16)
+
+
 def rand_w(gen: torch.Generator, *shape: int) -> torch.Tensor:
     """A bf16 weight at a realistic scale: N(0, 1/fan_in)."""
     return (torch.randn(*shape, generator=gen) / math.sqrt(shape[-1])).to(torch.bfloat16)

@@ -41,6 +41,7 @@ from vllm.models.kimi_k3.nvidia.kernels.kda_decode import (  # noqa: E402
 )
 from vllm.models.kimi_k3.nvidia.latency_specialized.config import preset  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_kernel_test  # noqa: E402
+from vllm.models.kimi_k3.nvidia.tests._util import DISTRIBUTIONS, draw, rel_err  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.collective import SingleRank  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.kda import (  # noqa: E402
     _gated_rms_norm,
@@ -69,7 +70,6 @@ LONG_RUN_STEPS = 4096
 # itself reaches ~1e-4 (state) and ~2e-3 (output, worst step) on the CPU with this test's inputs
 LONG_RUN_STATE_BOUND = 1e-3
 LONG_RUN_OUT_BOUND = 1e-2
-DISTRIBUTIONS = ("normal", "heavy_tailed", "large", "tiny")
 SOURCES = ("vllm/models/kimi_k3/nvidia/kernels/kda_decode.py",
            "vllm/models/kimi_k3/nvidia/kernels/rms_norm.py",
            "vllm/models/kimi_k3/nvidia/tests/test_kda_decode_kernel.py")
@@ -320,19 +320,6 @@ def test_compiles_for_arch(arch, name, tmp_path):
 # ---------------------------------------------------------------- GPU: inputs
 
 
-def _draw(kind: str, shape: tuple[int, ...], gen: torch.Generator) -> torch.Tensor:
-    """Random bf16 inputs: normal, heavy-tailed (Student t, 3 dof), large-magnitude, near-zero."""
-    z = torch.randn(shape, generator=gen, device="cuda")
-    if kind == "heavy_tailed":  # t = z / sqrt(chi2_3 / 3)
-        chi2 = sum(torch.randn(shape, generator=gen, device="cuda") ** 2 for _ in range(3))
-        z = z / (chi2 / 3).sqrt().clamp_min(1e-3)
-    elif kind == "large":
-        z = z * 3e3
-    elif kind == "tiny":
-        z = z * 1e-4
-    return z.to(BF16)
-
-
 class Layer:
     """One rank's KDA parameters at a trained-looking scale."""
 
@@ -349,7 +336,7 @@ class Layer:
         return self.conv_weight, self.A_log, self.dt_bias, self.o_norm
 
     def inputs(self, rows: int, dist: str, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        return _draw(dist, (rows, self.z_width), gen), _draw(dist, (rows, self.p), gen)
+        return draw(dist, (rows, self.z_width), gen, "cuda"), draw(dist, (rows, self.p), gen, "cuda")
 
     def pools(self, rec_slots: int, conv_slots: int, max_q: int, gen: torch.Generator):
         """State pools with random contents; the null slot 0 holds NaN (it must never be read or written)."""
@@ -403,11 +390,6 @@ class Step:
         return [r * self.q + t for r in self.padding for t in range(self.q)]
 
 
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.double(), ref.double()
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-300))
-
-
 def _equal_with_nan(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit-equal, with NaN (the poisoned null slots) equal to NaN."""
     return torch.equal(torch.nan_to_num(a), torch.nan_to_num(b))
@@ -437,8 +419,8 @@ def check_step(name: str, step: Step, rec0, conv0, got, rows: list[dict], failur
     pad = step.padding_rows()
     res = {
         "unwritten": int(torch.isnan(out).sum()),
-        "rel_err": _rel_err(out, ref),
-        "state_rel_err": _rel_err(k_rec[written], r_rec[written]),
+        "rel_err": rel_err(out, ref),
+        "state_rel_err": rel_err(k_rec[written], r_rec[written]),
         "padding_rows_zero": bool((out[pad] == 0).all()) if pad else True,
         "untouched_slots_exact": torch.equal(k_rec[others], rec0[others]),
         "null_slots_untouched": bool(torch.isnan(k_rec[0]).all() and torch.isnan(k_conv[0]).all()),
@@ -547,8 +529,8 @@ def test_every_accepted_prefix(evidence):
         kda_decode.launch(z[k - 1:k], g_raw[k - 1:k], *layer.params(), s_rec, s_conv,
                           *_step_tensors([step.conv_slot[0]], [read], [[own[0]]], [a], "cuda"), LB, o)
         singles.append(o)
-        state_err = _rel_err(v_rec[own[k - 1]], s_rec[own[0]])
-        out_err = _rel_err(verify[:k], torch.cat(singles))
+        state_err = rel_err(v_rec[own[k - 1]], s_rec[own[0]])
+        out_err = rel_err(verify[:k], torch.cat(singles))
         # then the next token, after accepting k, from both paths
         nxt = []
         for pool_rec, pool_conv, acc, rd in ((v_rec, v_conv, k, own[k - 1]), (s_rec, s_conv, 1, own[0])):
@@ -557,7 +539,7 @@ def test_every_accepted_prefix(evidence):
             kda_decode.launch(z[q:], g_raw[q:], *layer.params(), r2, c2,
                               *_step_tensors([step.conv_slot[0]], [rd], [[own[-1]]], [acc], "cuda"), LB, o2)
             nxt.append((o2, r2[own[-1]]))
-        next_err = max(_rel_err(nxt[0][0], nxt[1][0]), _rel_err(nxt[0][1], nxt[1][1]))
+        next_err = max(rel_err(nxt[0][0], nxt[1][0]), rel_err(nxt[0][1], nxt[1][1]))
         torch.cuda.synchronize()
         ok = (max(state_err, next_err) < STATE_REL_ERR_BOUND and out_err < OUT_REL_ERR_BOUND
               and not torch.isnan(verify).any())
@@ -634,10 +616,10 @@ def test_long_run_stays_bounded(evidence):
         ref = reference_step(z, g_raw, *layer.params(), LB, ref_rec, ref_conv, *slots)
         want = oracle.step(z, g_raw)
         for who, got in (("kernel", out), ("reference", ref)):
-            out_worst[who] = max(out_worst[who], _rel_err(got.cpu(), want))
+            out_worst[who] = max(out_worst[who], rel_err(got.cpu(), want))
         if (i + 1) % 256 == 0:
             for who, pool in (("kernel", rec), ("reference", ref_rec)):
-                trace[who].append(_rel_err(pool[mine].cpu(), oracle.rec))
+                trace[who].append(rel_err(pool[mine].cpu(), oracle.rec))
     worst = max(trace["kernel"])
     ok = (worst < LONG_RUN_STATE_BOUND and out_worst["kernel"] < LONG_RUN_OUT_BOUND
           and worst <= 10 * max(trace["reference"]) + 1e-5)
@@ -669,9 +651,9 @@ def test_alternating_with_reference_steps(evidence):
         else:
             mixed = reference_step(z, g_raw, *layer.params(), LB, rec, conv, *t)
         want = reference_step(z, g_raw, *layer.params(), LB, ref_rec, ref_conv, *t)
-        worst_out = max(worst_out, _rel_err(mixed, want))
+        worst_out = max(worst_out, rel_err(mixed, want))
         accepted = rng.randint(1, q)
-    state_err = _rel_err(rec[1:], ref_rec[1:])
+    state_err = rel_err(rec[1:], ref_rec[1:])
     ok = worst_out < OUT_REL_ERR_BOUND and state_err < STATE_REL_ERR_BOUND and torch.equal(conv[1:], ref_conv[1:])
     evidence.append({"name": "48 steps alternating kernel / reference, h=12", "status": "pass" if ok else "fail",
                      "rel_err": worst_out, "state_rel_err": state_err})
@@ -714,8 +696,8 @@ def test_layer_through_kda_attention(tp, rank, evidence):
         got = linear(y, w.o_proj)
         torch.cuda.synchronize()
         written = step.written()
-        rel = _rel_err(got, want)
-        state = _rel_err(k_rec[written], ref_state.rec[written])
+        rel = rel_err(got, want)
+        state = rel_err(k_rec[written], ref_state.rec[written])
         ok = (rel < OUT_REL_ERR_BOUND and state < STATE_REL_ERR_BOUND and torch.equal(k_conv[1:], ref_state.conv[1:])
               and bool((got[pad_rows] == 0).all()))
         evidence.append({"name": f"layer via kda_attention TP{tp} rank {rank} q={q} R={requests}",

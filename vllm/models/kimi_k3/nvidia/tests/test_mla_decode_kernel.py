@@ -34,6 +34,7 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip 
 from vllm.models.kimi_k3.nvidia.kernels import mla_combine, mla_decode  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.mla_decode import CHUNK, DecodePlan, schedule  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_kernel_test  # noqa: E402
+from vllm.models.kimi_k3.nvidia.tests._util import rel_err  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.mla import attend_absorbed  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.ops import acc_dtype  # noqa: E402
 
@@ -46,10 +47,6 @@ REL_ERR_BOUND = 5e-3
 SOURCES = ("vllm/models/kimi_k3/nvidia/kernels/mla_decode.py",
            "vllm/models/kimi_k3/nvidia/kernels/mla_combine.py",
            "vllm/models/kimi_k3/nvidia/tests/test_mla_decode_kernel.py")
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.double() - ref.double()).norm() / ref.double().norm().clamp_min(1e-300))
 
 
 # ---------------------------------------------------------------- problem construction
@@ -321,7 +318,7 @@ def test_split_algorithm_matches_reference(heads, q_lens, target, min_chunks):
     out = _model(b, plan, target, min_chunks)
     assert not torch.isnan(out).any()
     for r in range(len(lengths)):
-        assert _rel_err(out[b.rows_of(r)], b.reference(r)) < REL_ERR_BOUND
+        assert rel_err(out[b.rows_of(r)], b.reference(r)) < REL_ERR_BOUND
 
 
 # ---------------------------------------------------------------- compile checks (CPU)
@@ -393,7 +390,7 @@ def _run_case(name: str, b: Batch, evidence: list, **launch_kw) -> list[str]:
     mla_decode.launch(b.q_lat, b.cache, b.block_table, b.seq_lens, b.query_start, b.max_q, out, **launch_kw)
     torch.cuda.synchronize()
     unwritten = int(torch.isnan(out).sum())
-    errs = [_rel_err(out[b.rows_of(r)], b.reference(r)) for r in range(len(b.lengths))]
+    errs = [rel_err(out[b.rows_of(r)], b.reference(r)) for r in range(len(b.lengths))]
     worst = max(errs)
     ok = unwritten == 0 and worst < REL_ERR_BOUND
     evidence.append({"name": name, "status": "pass" if ok else "fail", "rel_err": worst,
@@ -496,4 +493,4 @@ def test_repeat_launch_and_cuda_graph_follow_device_lengths():
     graph.replay()
     torch.cuda.synchronize()
     for r in range(3):
-        assert _rel_err(out[b.rows_of(r)], b.reference(r)) < REL_ERR_BOUND
+        assert rel_err(out[b.rows_of(r)], b.reference(r)) < REL_ERR_BOUND

@@ -30,6 +30,7 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip 
 from vllm.models.kimi_k3.nvidia.kernels import moe_combine, moe_experts, moe_router  # noqa: E402
 from vllm.models.kimi_k3.nvidia.latency_specialized.config import PRESETS  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_kernel_test  # noqa: E402
+from vllm.models.kimi_k3.nvidia.tests._util import DISTRIBUTIONS, draw  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.dense_mlp import activation_clips  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.moe import _routed_latent, route  # noqa: E402
 
@@ -43,7 +44,6 @@ TP_SHAPES = {16: (K3.shard(16, 0).moe_inter, K3.num_experts), 8: (K3.shard(8, 0)
              1: (K3.shard(1, 0).moe_inter, 128)}
 ROWS = (1, 2, 3, 8, 16, 33, 64)
 ROUTINGS = ("uniform", "skewed", "same_experts", "padding", "repeated_ids")
-DISTRIBUTIONS = ("normal", "heavy_tailed", "large", "tiny")
 # bf16 output rounding (2^-9) plus the reference's bf16 roundings of gate/up/h/o, which can
 # land one ulp apart when the fp32 sums are ordered differently
 REL_ERR_BOUND = 1e-2
@@ -51,19 +51,6 @@ SOURCES = ("vllm/models/kimi_k3/nvidia/kernels/moe_experts.py",
            "vllm/models/kimi_k3/nvidia/kernels/moe_combine.py",
            "vllm/models/kimi_k3/nvidia/kernels/moe_router.py",
            "vllm/models/kimi_k3/nvidia/tests/test_moe_kernels.py")
-
-
-def _draw(kind: str, shape: tuple[int, ...], gen: torch.Generator, device: str, scale: float = 1.0) -> torch.Tensor:
-    """Random bf16: normal, heavy-tailed (Student t, 3 dof), large-magnitude, near-zero."""
-    z = torch.randn(shape, generator=gen, device=device)
-    if kind == "heavy_tailed":
-        chi2 = sum(torch.randn(shape, generator=gen, device=device) ** 2 for _ in range(3))
-        z = z / (chi2 / 3).sqrt().clamp_min(1e-3)
-    elif kind == "large":
-        z = z * 3e3
-    elif kind == "tiny":
-        z = z * 1e-4
-    return (z * scale).to(torch.bfloat16)
 
 
 def _routing(kind: str, m: int, n_experts: int, gen: torch.Generator, device: str):
@@ -286,8 +273,8 @@ def expert_weights(request):
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False  # an fp32-summed oracle
     gen = torch.Generator(device="cuda").manual_seed(1000 + tp)
     # scaled so normal inputs give O(1) gate/up and outputs
-    w13 = _draw("normal", (n_experts, 2 * inter, H_LAT), gen, "cuda", scale=H_LAT ** -0.5)
-    w2 = _draw("normal", (n_experts, H_LAT, inter), gen, "cuda", scale=inter ** -0.5)
+    w13 = draw("normal", (n_experts, 2 * inter, H_LAT), gen, "cuda", scale=H_LAT ** -0.5)
+    w2 = draw("normal", (n_experts, H_LAT, inter), gen, "cuda", scale=inter ** -0.5)
     yield tp, w13, w2
     del w13, w2
     torch.cuda.empty_cache()
@@ -302,7 +289,7 @@ def test_matches_reference(expert_weights, routing, evidence):
     failures = []
     for dist in DISTRIBUTIONS:
         for m in ROWS:
-            x_lat = _draw(dist, (m, H_LAT), gen, "cuda")
+            x_lat = draw(dist, (m, H_LAT), gen, "cuda")
             ids, weights = _routing(routing, m, n_experts, gen, "cuda")
             out = torch.full((m, H_LAT), float("nan"), dtype=torch.bfloat16, device="cuda")
             moe_experts.launch(x_lat, ids, weights, w13, w2)  # compiles and allocates the buffers
@@ -329,7 +316,7 @@ def test_unselected_experts_do_not_contribute(expert_weights, evidence):
     n_experts = w13.shape[0]
     gen = torch.Generator(device="cuda").manual_seed(77 + tp)
     m = 33
-    x_lat = _draw("normal", (m, H_LAT), gen, "cuda")
+    x_lat = draw("normal", (m, H_LAT), gen, "cuda")
     ids, weights = _routing("skewed", m, n_experts, gen, "cuda")
     unpicked = torch.ones(n_experts, dtype=torch.bool, device="cuda")
     unpicked[ids.flatten().long()] = False
@@ -352,7 +339,7 @@ def test_repeat_launch_and_cuda_graph(expert_weights):
     n_experts = w13.shape[0]
     gen = torch.Generator(device="cuda").manual_seed(5 + tp)
     m = 5
-    x_lat = _draw("normal", (m, H_LAT), gen, "cuda")
+    x_lat = draw("normal", (m, H_LAT), gen, "cuda")
     ids, weights = _routing("uniform", m, n_experts, gen, "cuda")
     first = moe_experts.launch(x_lat, ids, weights, w13, w2)
     for _ in range(3):
@@ -370,7 +357,7 @@ def test_repeat_launch_and_cuda_graph(expert_weights):
     torch.cuda.synchronize()
     assert torch.isnan(out).all(), "capture ran the kernels instead of recording them"
     new_ids, new_weights = _routing("skewed", m, n_experts, gen, "cuda")
-    x_lat.copy_(_draw("large", (m, H_LAT), gen, "cuda"))
+    x_lat.copy_(draw("large", (m, H_LAT), gen, "cuda"))
     ids.copy_(new_ids)
     weights.copy_(new_weights)
     graph.replay()
