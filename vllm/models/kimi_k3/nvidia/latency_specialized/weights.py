@@ -145,24 +145,50 @@ class RandomSource(TensorSource):
             raise WeightError(f"random checkpoint has no tensor {name}")
         shape, dtype = self._shapes[name]
         g = torch.Generator().manual_seed(_seed_of(self.seed, name))
-        kind = _init_kind(name)
-        if kind == "a_log":
-            t = torch.log(torch.empty(shape).uniform_(1.0, 16.0, generator=g))
-        elif kind == "dt_bias":
-            t = 0.5 * torch.randn(shape, generator=g)
-        elif kind == "conv":
-            t = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
-        elif kind == "router_bias":
-            t = 0.02 * torch.randn(shape, generator=g)
-        elif kind == "embed":
-            t = torch.randn(shape, generator=g)
-        elif kind == "norm":
-            t = 1.0 + 0.1 * torch.randn(shape, generator=g)
-        elif kind == "res_proj":
-            t = torch.randn(shape, generator=g) * (2.0 / math.sqrt(shape[-1]))
-        else:
-            t = torch.randn(shape, generator=g) / math.sqrt(shape[-1])
-        return _slice(t, rows, cols).to(dtype)
+        return _slice(_draw(_init_kind(name), shape, shape, g, "cpu"), rows, cols).to(dtype)
+
+
+class ShardRandomSource(RandomSource):
+    """`RandomSource`'s scales, drawn slice by slice on `device`: only what a rank loads is ever
+    materialized, so a K3 shard with all 896 experts builds in seconds on a GPU (the whole
+    checkpoint never exists). Its values differ from `RandomSource`'s; a slice's values depend
+    on (seed, name, slice), so two loads of one rank agree."""
+
+    def __init__(self, cfg: K3TextConfig, seed: int = 0, device: torch.device | str = "cuda"):
+        super().__init__(cfg, seed)
+        self.device = torch.device(device)
+
+    def get(self, name: str, rows: Slice = None, cols: Slice = None) -> torch.Tensor:
+        if name not in self._shapes:
+            raise WeightError(f"random checkpoint has no tensor {name}")
+        shape, dtype = self._shapes[name]
+        out = list(shape)
+        if rows:
+            out[0] = rows[1] - rows[0]
+        if cols:
+            out[1] = cols[1] - cols[0]
+        g = torch.Generator(self.device).manual_seed(_seed_of(self.seed, f"{name}:{rows}:{cols}"))
+        return _draw(_init_kind(name), shape, tuple(out), g, self.device).to(dtype)
+
+
+def _draw(kind: str, full: tuple[int, ...], shape: tuple[int, ...], g: torch.Generator,
+          device: torch.device | str) -> torch.Tensor:
+    """Random values of one init kind; fan-in scales use the full tensor's last dimension."""
+    def randn() -> torch.Tensor:
+        return torch.randn(shape, generator=g, device=device)
+    if kind == "a_log":
+        return torch.log(torch.empty(shape, device=device).uniform_(1.0, 16.0, generator=g))
+    if kind == "dt_bias":
+        return 0.5 * randn()
+    if kind == "router_bias":
+        return 0.02 * randn()
+    if kind == "embed":
+        return randn()
+    if kind == "norm":
+        return 1.0 + 0.1 * randn()
+    if kind == "res_proj":
+        return randn() * (2.0 / math.sqrt(full[-1]))
+    return randn() / math.sqrt(full[-1])  # linear and conv: N(0, 1/fan_in)
 
 
 class SafetensorsSource(TensorSource):

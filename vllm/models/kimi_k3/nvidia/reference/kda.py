@@ -285,19 +285,28 @@ def kda_attention(w: KDAWeights, cfg: K3TextConfig, shard: ShardShapes, u: torch
     `chunked_prefill=False` runs prefill with the decode recurrence, so tests can check the
     prefill-to-decode state hand-off for exact equality."""
     _check_layer(w, cfg, shard, u, segments, state)
+    p, d = shard.kda_proj, cfg.kda_head_dim
+    z = linear(u, w.in_proj)
+    g_raw = linear(z[:, 4 * p:4 * p + d], w.f_b)
+    y_norm = kda_core(z, g_raw, w, cfg, shard, segments, state, chunked_prefill=chunked_prefill)
+    return coll.all_reduce(linear(y_norm, w.o_proj))
+
+
+def kda_core(z: torch.Tensor, g_raw: torch.Tensor, w: KDAWeights, cfg: K3TextConfig, shard: ShardShapes,
+             segments: list[Segment], state: KDALayerState, *, chunked_prefill: bool = True) -> torch.Tensor:
+    """The layer between its projections: z = in_proj output [N, ≥ 4·P_r + d + h_r], g_raw = f_b
+    output [N, P_r] -> gated-normed core output [N, P_r] bf16 (o_proj's input); commits the
+    segments to `state`. This is the unit `kernels/kda_decode.py` replaces."""
     h, d, p = shard.kda_heads, cfg.kda_head_dim, shard.kda_proj
-    rows = u.shape[0]
+    rows = z.shape[0]
     scale = d ** -0.5
 
-    z = linear(u, w.in_proj)
     x = z[:, :3 * p]
     g_out = z[:, 3 * p:4 * p].reshape(rows, h, d)
-    f_a = z[:, 4 * p:4 * p + d]
     beta = torch.sigmoid(z[:, 4 * p + d:4 * p + d + h].to(_pointwise_dtype(z))).to(F32)
-    log_alpha = decay_log_alpha(linear(f_a, w.f_b).view(rows, h, d), w.A_log, w.dt_bias,
-                                cfg.gate_lower_bound)
+    log_alpha = decay_log_alpha(g_raw.view(rows, h, d), w.A_log, w.dt_bias, cfg.gate_lower_bound)
 
-    core = torch.zeros(rows, h, d, dtype=BF16, device=u.device)
+    core = torch.zeros(rows, h, d, dtype=BF16, device=z.device)
     for seg in segments:
         if _is_padding(seg):
             continue
@@ -316,7 +325,7 @@ def kda_attention(w: KDAWeights, cfg: K3TextConfig, shard: ShardShapes, u: torch
             state.conv[seg.conv_slot, 0:3] = torch.cat([window, x[r]])[-3:]
         else:
             la, bt = log_alpha[r], beta[r]
-            o = torch.empty(seg.n, h, d, dtype=F32, device=u.device)
+            o = torch.empty(seg.n, h, d, dtype=F32, device=z.device)
             for t in range(seg.n):
                 tok = slice(t, t + 1)
                 o[tok], s = gated_delta_rule_recurrent(qh[tok], kh[tok], v[tok], la[tok], bt[tok], s)
@@ -325,5 +334,4 @@ def kda_attention(w: KDAWeights, cfg: K3TextConfig, shard: ShardShapes, u: torch
             state.conv[seg.conv_slot, 0:2 + seg.n] = torch.cat([window[1:], x[r]])
         core[r] = o.to(BF16)
 
-    y_norm = _gated_rms_norm(core, g_out, w.o_norm).reshape(rows, p)
-    return coll.all_reduce(linear(y_norm, w.o_proj))
+    return _gated_rms_norm(core, g_out, w.o_norm).reshape(rows, p)

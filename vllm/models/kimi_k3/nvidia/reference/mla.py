@@ -163,20 +163,28 @@ def mla_attention(w: MLAWeights, cfg: K3TextConfig, shard: ShardShapes, u: torch
     latent = rms_norm(kv_c, w.kv_a_norm, cfg.rms_norm_eps)
     q = linear(q_c, w.q_b).view(n_rows, heads, d_n + d_r)
     w_uk, w_uv = split_kv_b(w.kv_b, cfg, heads)
-    cache_rows = torch.cat([latent, k_pe], dim=-1)
+    o = mla_core(q, torch.cat([latent, k_pe], dim=-1), segments, state.cache, w_uk, w_uv,
+                 naive_prefill=naive_prefill)
+    gated = (o.view(n_rows, heads * d_v).to(F32) * torch.sigmoid(gate.to(F32))).to(BF16)
+    return coll.all_reduce(linear(gated, w.o_proj))
 
-    o = torch.zeros(n_rows, heads, d_v, dtype=BF16, device=u.device)
+
+def mla_core(q: torch.Tensor, cache_rows: torch.Tensor, segments: list[Segment], cache: torch.Tensor,
+             w_uk: torch.Tensor, w_uv: torch.Tensor, *, naive_prefill: bool = True) -> torch.Tensor:
+    """The attention between the projections: writes cache_rows [N, r_kv + d_r] (the normed
+    latent and k_pe of each new token) into the paged cache, then attends: q [N, h, d_n + d_r]
+    -> o [N, h, d_v] bf16 (zero for rows outside every segment)."""
+    n_rows, heads = q.shape[0], w_uk.shape[0]
+    o = torch.zeros(n_rows, heads, w_uv.shape[1], dtype=BF16, device=q.device)
     for seg in segments:
         if seg.n == 0:
             continue
         rows = slice(seg.row0, seg.row0 + seg.n)
-        new_pos = torch.arange(seg.pos0, seg.pos0 + seg.n, device=u.device)
-        blocks, offsets = _cache_slots(seg, state.cache, new_pos)
-        state.cache[blocks, offsets] = cache_rows[rows]
-        blocks, offsets = _cache_slots(seg, state.cache, torch.arange(seg.pos0 + seg.n, device=u.device))
-        kv = state.cache[blocks, offsets]
+        new_pos = torch.arange(seg.pos0, seg.pos0 + seg.n, device=q.device)
+        blocks, offsets = _cache_slots(seg, cache, new_pos)
+        cache[blocks, offsets] = cache_rows[rows]
+        blocks, offsets = _cache_slots(seg, cache, torch.arange(seg.pos0 + seg.n, device=q.device))
+        kv = cache[blocks, offsets]
         attend = attend_naive if (seg.prefill and naive_prefill) else attend_absorbed
         o[rows] = attend(q[rows], kv, w_uk, w_uv)
-
-    gated = (o.view(n_rows, heads * d_v).to(F32) * torch.sigmoid(gate.to(F32))).to(BF16)
-    return coll.all_reduce(linear(gated, w.o_proj))
+    return o
