@@ -73,6 +73,16 @@ def _check_core(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor, w_uv: tor
         raise ValueError(f"W_UV must be [{heads}, d_v, {r_kv}], found {tuple(w_uv.shape)}")
 
 
+def attend_latent(q_lat: torch.Tensor, kv: torch.Tensor, r_kv: int, tau: float) -> torch.Tensor:
+    """The latent core that `kernels/mla_decode.py` computes: q_lat [n, h, r_kv + d_r] = [ql | q_pe]
+    against the cache rows kv [L, r_kv + d_r] -> ol [n, h, r_kv] bf16 (the queries are the last
+    n positions, causal among them; τ = 1/sqrt(d_n + d_r))."""
+    acc = acc_dtype(kv)
+    scores = tau * torch.einsum("nhc,lc->hnl", q_lat.to(acc), kv.to(acc))
+    p = _causal_softmax(scores)
+    return torch.einsum("hnl,lr->nhr", p, kv[:, :r_kv].to(acc)).to(BF16)
+
+
 def attend_absorbed(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor,
                     w_uv: torch.Tensor) -> torch.Tensor:
     """Absorbed MLA core: q [n, h, d_n + d_r], kv [L, r_kv + d_r] -> o [n, h, d_v] bf16.
@@ -82,13 +92,9 @@ def attend_absorbed(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor,
     _check_core(q, kv, w_uk, w_uv)
     acc = acc_dtype(kv)
     d_n, r_kv = w_uk.shape[1], w_uk.shape[2]
-    tau = 1.0 / math.sqrt(q.shape[-1])
     ql = torch.einsum("nhd,hdr->nhr", q[..., :d_n].to(acc), w_uk.to(acc)).to(BF16)
     # [ql | q_pe] dotted with a whole cache row [c | k_pe] gives both score terms at once
-    q_lat = torch.cat([ql, q[..., d_n:]], dim=-1)
-    scores = tau * torch.einsum("nhc,lc->hnl", q_lat.to(acc), kv.to(acc))
-    p = _causal_softmax(scores)
-    ol = torch.einsum("hnl,lr->nhr", p, kv[:, :r_kv].to(acc)).to(BF16)
+    ol = attend_latent(torch.cat([ql, q[..., d_n:]], dim=-1), kv, r_kv, 1.0 / math.sqrt(q.shape[-1]))
     return torch.einsum("nhr,hvr->nhv", ol.to(acc), w_uv.to(acc)).to(BF16)
 
 
