@@ -53,9 +53,13 @@ class Engine:
     """Drives a model over batches of requests; `dispatcher` picks the path per decode step."""
 
     def __init__(self, model: ReferenceModel, *, dispatcher=None, specialized: Optional[DecodeFn] = None,
-                 max_requests: int = 8, max_len: int = 4096):
+                 max_requests: int = 8, max_len: int = 4096, state: Optional[DecodeState] = None):
+        # state: serve requests in this DecodeState (the specialized executor's, whose CUDA
+        # graphs point at its pools) instead of a fresh one per generate call
         self.model, self.dispatcher, self.specialized = model, dispatcher, specialized
-        self.max_requests, self.max_len = max_requests, max_len
+        self.max_requests, self.max_len, self.state = max_requests, max_len, state
+        if state is not None:
+            self.max_requests, self.max_len = min(max_requests, state.max_requests), min(max_len, state.max_len)
         self.stats = RunStats()
 
     def _standard(self, ids: torch.Tensor, segs: list, state: DecodeState) -> torch.Tensor:
@@ -83,8 +87,18 @@ class Engine:
             raise ValueError(f"prompt + max_tokens = {longest} tokens exceeds max_len={self.max_len}; "
                              "raise max_len or shorten the request")
         device = self.model.w.embed.device
-        state = self.model.new_state(max_requests=len(requests), max_len=longest, device=device)
+        state = self.state if self.state is not None else self.model.new_state(
+            max_requests=len(requests), max_len=longest, device=device)
         slots = [state.allocate() for _ in requests]
+        try:
+            return self._generate(requests, state, slots, progress)
+        finally:
+            for slot in slots:
+                state.free(slot)
+
+    def _generate(self, requests: Sequence[Request], state: DecodeState, slots: list[int],
+                  progress: Optional[Callable[[int, int], None]]) -> list[Completion]:
+        device = self.model.w.embed.device
         gens = [None if r.params.seed is None else torch.Generator().manual_seed(r.params.seed) for r in requests]
         outs: list[list[int]] = [[] for _ in requests]
         finish: list[Optional[str]] = [None] * len(requests)

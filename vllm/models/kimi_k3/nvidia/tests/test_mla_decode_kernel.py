@@ -461,7 +461,7 @@ def test_adversarial_scores(kind, split, evidence):
 @pytest.mark.gpu
 @pytest.mark.parametrize("split", [{"target": 1}, {"target": 7, "min_chunks": 1}, {"target": 2048, "min_chunks": 1}])
 def test_split_counts_agree(split, evidence):
-    b = Batch([1, 40, 4097, 9000], [8, 8, 8, 8], 6, 64, "normal", 9, "cuda")
+    b = Batch([8, 40, 4097, 9000], [8, 8, 8, 8], 6, 64, "normal", 9, "cuda")
     failures = _run_case(f"splits {split}", b, evidence, **split)
     assert not failures, "; ".join(failures)
 

@@ -1,0 +1,229 @@
+"""The op table of a specialized decode step: CuTe DSL kernels, or the reference on the same contract.
+
+`SpecializedDecode` (executor.py) writes a decode step once, in terms of the ops below, and
+runs it with one of two tables:
+
+| table | op implementations | used for |
+| --- | --- | --- |
+| `KernelOps` | the CuTe DSL kernels of `kernels/` (and the few glue ops named in `GLUE`) | the specialized path on a GPU |
+| `ReferenceOps` | the functions of `reference/` on the same tensors and metadata | CPU tests of the executor's plumbing (buffers, AttnRes slots, metadata, padding), exact against `ReferenceModel` |
+
+Every call is recorded in `trace` as `(op, implementation)`; the executor captures one trace
+per CUDA graph, so the path counters list exactly the launches a replay runs, and a test can
+assert that no op of an admitted step ran anything but a kernel or a declared glue op.
+
+Step metadata (`StepMeta`, executor.py) is device tensors only, so a captured graph reads new
+slots and lengths in place: `ReferenceOps` rebuilds `reference.state.Segment`s from the same
+tensors, which is how the CPU tests prove the metadata itself.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ..reference import attn_res as ref_attn_res
+from ..reference import kda as ref_kda
+from ..reference import mla as ref_mla
+from ..reference import moe as ref_moe
+from ..reference.collective import SingleRank
+from ..reference.model import embed as ref_embed
+from ..reference.ops import BF16, F32, acc_dtype, bf16_add, linear, rms_norm, situ_and_mul
+from ..reference.state import Segment
+
+if TYPE_CHECKING:
+    from ..reference.params import KDAWeights, MoEWeights
+    from ..reference.state import KDALayerState
+    from .config import K3TextConfig, ShardShapes
+    from .executor import StepMeta
+
+# Ops that run as plain torch on both tables: views, copies and elementwise epilogues that
+# no kernel fuses yet, and the per-head MLA (un)absorption GEMMs on cuBLAS.
+GLUE = ("copy", "mla_absorb", "mla_unabsorb", "mla_cache_write", "mla_gate", "situ_and_mul", "bf16_add",
+        "logits_scale")
+
+
+class DecodeOps:
+    """Shared recording and the glue ops; subclasses provide the kernel-able ops."""
+
+    impl = "?"
+
+    def __init__(self) -> None:
+        self.trace: list[tuple[str, str]] = []
+
+    def _rec(self, op: str, impl: str | None = None) -> None:
+        self.trace.append((op, impl or self.impl))
+
+    # ---- glue (same on both tables)
+    def copy(self, x: torch.Tensor) -> torch.Tensor:
+        self._rec("copy", "torch")
+        return x.contiguous()
+
+    def mla_cache_write(self, cache: torch.Tensor, index: torch.Tensor, latent: torch.Tensor,
+                        k_pe: torch.Tensor) -> None:
+        """cache rows `index` (flat block·block_size + offset) ← [latent | k_pe]."""
+        self._rec("mla_cache_write", "torch")
+        cache.view(-1, cache.shape[-1]).index_copy_(0, index, torch.cat([latent, k_pe], dim=-1))
+
+    def mla_gate(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        self._rec("mla_gate", "torch")
+        return (o.reshape(gate.shape).to(F32) * torch.sigmoid(gate.to(F32))).to(BF16)
+
+    def situ_and_mul(self, gate_up: torch.Tensor, beta: float | None, linear_beta: float | None) -> torch.Tensor:
+        self._rec("situ_and_mul", "torch")
+        gate, up = gate_up.chunk(2, dim=-1)
+        return situ_and_mul(gate, up, beta, linear_beta)
+
+    def bf16_add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        self._rec("bf16_add", "torch")
+        return bf16_add(a, b)
+
+    def logits_scale(self, logits: torch.Tensor, scale: float) -> torch.Tensor:
+        self._rec("logits_scale", "torch")
+        out = logits.to(F32)
+        return out * scale if scale != 1.0 else out
+
+    def mla_absorb(self, q: torch.Tensor, w_uk: torch.Tensor, d_n: int) -> torch.Tensor:
+        """q [N, h, d_n + d_r] -> q_lat [N, h, r_kv + d_r] = [bf16(q_nope · W_UK) | q_pe]."""
+        self._rec("mla_absorb", "torch")
+        acc = acc_dtype(q)
+        ql = torch.einsum("nhd,hdr->nhr", q[..., :d_n].to(acc), w_uk.to(acc)).to(BF16) if acc != F32 else \
+            torch.bmm(q[..., :d_n].transpose(0, 1), w_uk).transpose(0, 1)
+        return torch.cat([ql, q[..., d_n:]], dim=-1)
+
+    def mla_unabsorb(self, ol: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        """ol [N, h, r_kv] -> o [N, h, d_v] = bf16(ol · W_UVᵀ)."""
+        self._rec("mla_unabsorb", "torch")
+        acc = acc_dtype(ol)
+        if acc != F32:
+            return torch.einsum("nhr,hvr->nhv", ol.to(acc), w_uv.to(acc)).to(BF16)
+        return torch.bmm(ol.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+
+
+class ReferenceOps(DecodeOps):
+    """The reference functions on the executor's tensors and metadata (CPU tests, oracles)."""
+
+    impl = "reference"
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = BF16) -> torch.Tensor:
+        self._rec("linear")
+        return linear(x, w, out_dtype)
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        self._rec("rms_norm")
+        return rms_norm(x, w, eps)
+
+    def embed(self, ids: torch.Tensor, table: torch.Tensor, shard: ShardShapes, vocab_size: int,
+              out: torch.Tensor) -> torch.Tensor:
+        self._rec("embed")
+        return out.copy_(ref_embed(ids, table, shard, vocab_size, SingleRank()))
+
+    def attn_res(self, blocks: torch.Tensor, n_blocks: int, prefix: torch.Tensor | None, norm_w: torch.Tensor,
+                 proj_w: torch.Tensor, eps: float, *, addend: torch.Tensor | None = None,
+                 live_out: torch.Tensor | None = None, out_w: torch.Tensor | None = None,
+                 final_norm: torch.Tensor | None = None) -> torch.Tensor:
+        self._rec("attn_res")
+        live = prefix if addend is None or prefix is None else bf16_add(prefix, addend)
+        if live_out is not None:
+            live_out.copy_(live)
+        sources = [blocks[j] for j in range(n_blocks)] + ([live] if live is not None else [])
+        if final_norm is not None:
+            return rms_norm(ref_attn_res.attn_res_mix(sources, norm_w, proj_w, eps), final_norm, eps)
+        return ref_attn_res.attn_res_mix(sources, norm_w, proj_w, eps, out_w)
+
+    def kda_core(self, z: torch.Tensor, g_raw: torch.Tensor, w: KDAWeights, st: KDALayerState,
+                 meta: StepMeta, cfg: K3TextConfig, shard: ShardShapes) -> torch.Tensor:
+        self._rec("kda_core")
+        return ref_kda.kda_core(z, g_raw, w, cfg, shard, meta.kda_segments(), st)
+
+    def mla_attend(self, q_lat: torch.Tensor, cache: torch.Tensor, meta: StepMeta, r_kv: int,
+                   tau: float) -> torch.Tensor:
+        self._rec("mla_attend")
+        ol = torch.zeros(q_lat.shape[0], q_lat.shape[1], r_kv, dtype=BF16, device=q_lat.device)
+        bs = cache.shape[1]
+        starts = meta.query_start.tolist()
+        for r, length in enumerate(meta.seq_lens.tolist()):
+            pos = torch.arange(length, device=cache.device)
+            kv = cache[meta.block_table[r].long()[pos // bs], pos % bs]
+            ol[starts[r]:starts[r + 1]] = ref_mla.attend_latent(q_lat[starts[r]:starts[r + 1]], kv, r_kv, tau)
+        return ol
+
+    def route(self, logits: torch.Tensor, bias: torch.Tensor, cfg: K3TextConfig
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._rec("moe_route")
+        weights, ids = ref_moe.route(logits, bias, cfg)
+        return weights, ids.to(torch.int32)
+
+    def routed_experts(self, x_lat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: MoEWeights,
+                       cfg: K3TextConfig, shard: ShardShapes) -> torch.Tensor:
+        self._rec("moe_experts")
+        return ref_moe._routed_latent(w, cfg, shard, x_lat, weights, ids.long())
+
+
+class KernelOps(DecodeOps):
+    """The CuTe DSL kernels (imported lazily: the DSL is only needed where they run)."""
+
+    impl = "cute"
+
+    def __init__(self) -> None:
+        super().__init__()
+        from ..kernels import (attn_res, embedding, kda_decode, mla_decode, moe_experts, moe_router, rms_norm,
+                               skinny_gemm)
+        self.k_attn_res, self.k_embedding, self.k_kda = attn_res, embedding, kda_decode
+        self.k_mla, self.k_experts, self.k_router = mla_decode, moe_experts, moe_router
+        self.k_norm, self.k_gemm = rms_norm, skinny_gemm
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = BF16) -> torch.Tensor:
+        if not x.is_contiguous():
+            x = self.copy(x)
+        self._rec("skinny_gemm")
+        return self.k_gemm.launch(x, w, out_dtype=out_dtype)
+
+    def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+        self._rec("rms_norm")
+        return self.k_norm.launch(x, w, eps)
+
+    def embed(self, ids: torch.Tensor, table: torch.Tensor, shard: ShardShapes, vocab_size: int,
+              out: torch.Tensor) -> torch.Tensor:
+        self._rec("embedding")
+        return self.k_embedding.launch(ids, table, shard.vocab_start, vocab_size, out)
+
+    def attn_res(self, blocks: torch.Tensor, n_blocks: int, prefix: torch.Tensor | None, norm_w: torch.Tensor,
+                 proj_w: torch.Tensor, eps: float, *, addend: torch.Tensor | None = None,
+                 live_out: torch.Tensor | None = None, out_w: torch.Tensor | None = None,
+                 final_norm: torch.Tensor | None = None) -> torch.Tensor:
+        self._rec("attn_res")
+        mix_out = None
+        if final_norm is not None:
+            out_w, mix_out = final_norm, torch.empty_like(blocks[0])
+        return self.k_attn_res.launch(blocks, n_blocks, prefix, norm_w, proj_w, eps, addend=addend,
+                                      live_out=live_out, out_w=out_w, mix_out=mix_out)
+
+    def kda_core(self, z: torch.Tensor, g_raw: torch.Tensor, w: KDAWeights, st: KDALayerState,
+                 meta: StepMeta, cfg: K3TextConfig, shard: ShardShapes) -> torch.Tensor:
+        self._rec("kda_decode")
+        return self.k_kda.launch(z, g_raw, w.conv, w.A_log, w.dt_bias, w.o_norm, st.rec, st.conv,
+                                 meta.conv_slot, meta.rec_read_slot, meta.rec_slots, meta.accepted,
+                                 cfg.gate_lower_bound)
+
+    def mla_attend(self, q_lat: torch.Tensor, cache: torch.Tensor, meta: StepMeta, r_kv: int,
+                   tau: float) -> torch.Tensor:
+        self._rec("mla_decode")
+        self._rec("mla_combine")
+        return self.k_mla.launch(q_lat.contiguous(), cache, meta.block_table, meta.seq_lens, meta.query_start,
+                                 meta.q)
+
+    def route(self, logits: torch.Tensor, bias: torch.Tensor, cfg: K3TextConfig
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        self._rec("moe_router")
+        return self.k_router.launch(logits, bias, cfg.num_experts_per_token, renormalize=cfg.moe_renormalize,
+                                    routed_scaling_factor=cfg.routed_scaling_factor)
+
+    def routed_experts(self, x_lat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: MoEWeights,
+                       cfg: K3TextConfig, shard: ShardShapes) -> torch.Tensor:
+        self._rec("moe_expert_gemv")  # gate/up + SiTU
+        self._rec("moe_expert_gemv")  # down
+        self._rec("moe_combine")
+        beta, linear_beta = ref_moe.activation_clips(cfg)
+        return self.k_experts.launch(x_lat, ids, weights, w.w13, w.w2, beta=beta, linear_beta=linear_beta)

@@ -1,0 +1,317 @@
+"""`SpecializedDecode`: the decode step on prepared kernels, one CUDA graph per (rows, q) bucket.
+
+| stage | what happens |
+| --- | --- |
+| build | owns the `DecodeState` it serves (KDA pools, MLA cache; slot 0 / block 0 are the null slot and block); per bucket: static `StepMeta` buffers set to all-padding, one eager warm-up step (compiles every kernel of the step, allocates kernel scratch; touches only the null slot and block), then one capture; reports seconds and graph memory |
+| `plan(facts)` | the bucket for the step's rows and tokens per request, or None (the dispatcher then runs the standard path) |
+| `__call__(ids, segments, state)` | pads the step to its bucket with dummy requests on the null slot (`buckets.pad_to_bucket`), writes ids and slots into the bucket's `StepMeta` in place, replays the graph (eager where graphs are off), commits the segments to the state, returns the real rows' full-vocab fp32 logits |
+
+The step itself (`_forward`) is written once against an op table (`decode_ops.py`):
+`KernelOps` runs CuTe DSL kernels, `ReferenceOps` the reference functions on the same
+tensors and metadata, so CPU tests check this file's plumbing exactly against
+`ReferenceModel` and GPU tests check the kernels against the reference. Per layer:
+
+    u = AttnRes(blocks, prefix + m_{i-1})       one kernel; a completing block is written in place
+    KDA:  z = u·W_inᵀ;  g = f_a·W_fbᵀ;  y = kda_decode(z, g, state);  a = Σ_ranks y·W_oᵀ
+    MLA:  [q_c|kv_c|k_pe|g] = u·W_aᵀ;  norms;  q = q_c·W_qbᵀ;  q_lat = [q_nope·W_UK | q_pe];
+          cache[slot] ← [c | k_pe];  ol = mla_decode(q_lat, cache);  a = Σ_ranks bf16(ol·W_UVᵀ ⊙ σ(g))·W_oᵀ
+    v = AttnRes(blocks, prefix + a)
+    MoE:  route(v·W_gᵀ) → experts(v·W_downᵀ) → norm → ·W_upᵀ, + shared SiTU MLP;  dense: SiTU MLP
+    h = AttnRes_final(blocks, prefix + m_last) fused with the final norm;  logits = Σ_ranks-gather h·W_lmᵀ
+
+Buffers a replay writes outside the state (activations, logits) live in one graph memory
+pool shared by all buckets: the logits a call returns are valid until the next call.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from ..reference.dense_mlp import activation_clips
+from ..reference.mla import split_kv_b
+from ..reference.model import ReferenceModel
+from ..reference.ops import F32
+from ..reference.params import DenseMLPWeights, KDAWeights, MoEWeights
+from ..reference.state import DecodeState, Segment
+from .buckets import bucket_for, pad_to_bucket
+from .decode_ops import DecodeOps, KernelOps, ReferenceOps
+from .deployment import StepFacts
+
+
+class ExecutorError(RuntimeError):
+    """The executor cannot serve what it was asked (a step it did not plan, a foreign state)."""
+
+
+@dataclass
+class StepMeta:
+    """Device-side description of one bucketed step: everything a captured graph reads per step.
+
+    R = rows // q requests of q tokens; request r owns rows r·q … r·q + q − 1. A padding
+    request has every slot 0 and a zero block table (the null slot and block)."""
+
+    q: int
+    ids: torch.Tensor  # [rows] int64 token ids
+    conv_slot: torch.Tensor  # [R] int32
+    rec_read_slot: torch.Tensor  # [R] int32
+    rec_slots: torch.Tensor  # [R, q] int32
+    accepted: torch.Tensor  # [R] int32
+    block_table: torch.Tensor  # [R, max_blocks] int32
+    seq_lens: torch.Tensor  # [R] int32: cached positions after this step's tokens
+    query_start: torch.Tensor  # [R + 1] int32
+    cache_index: torch.Tensor  # [rows] int64: flat cache row of each new token
+
+    @classmethod
+    def padding(cls, rows: int, q: int, max_blocks: int, device: torch.device) -> "StepMeta":
+        """A step of nothing but padding requests (what warm-up and capture run on)."""
+        if rows % q:
+            raise ExecutorError(f"a bucket of {rows} rows does not hold whole {q}-token requests")
+        r = rows // q
+
+        def i32(*shape: int) -> torch.Tensor:
+            return torch.zeros(shape, dtype=torch.int32, device=device)
+        meta = cls(q=q, ids=torch.zeros(rows, dtype=torch.int64, device=device), conv_slot=i32(r),
+                   rec_read_slot=i32(r), rec_slots=i32(r, q), accepted=i32(r) + 1,
+                   block_table=i32(r, max_blocks), seq_lens=i32(r) + q,
+                   query_start=torch.arange(0, rows + 1, q, dtype=torch.int32, device=device),
+                   cache_index=torch.arange(q, dtype=torch.int64, device=device).repeat(r))
+        return meta
+
+    @property
+    def requests(self) -> int:
+        return self.conv_slot.shape[0]
+
+    def fill(self, ids: torch.Tensor, segments: Sequence[Segment], block_size: int) -> None:
+        """Write a padded step's ids and slots into these buffers in place (graph inputs)."""
+        q, rows = self.q, self.ids.shape[0]
+        if len(segments) != self.requests or any(s.n != q or s.row0 != r * q for r, s in enumerate(segments)):
+            raise ExecutorError(f"the step must be {self.requests} requests of {q} tokens in row order")
+        host = {name: torch.zeros_like(getattr(self, name), device="cpu")
+                for name in ("conv_slot", "rec_read_slot", "rec_slots", "accepted", "seq_lens", "cache_index")}
+        table = torch.zeros_like(self.block_table, device="cpu")
+        for r, s in enumerate(segments):
+            host["conv_slot"][r], host["rec_read_slot"][r], host["accepted"][r] = (
+                s.conv_slot, s.rec_read_slot, s.accepted)
+            host["rec_slots"][r] = torch.tensor(s.rec_slots, dtype=torch.int32)
+            host["seq_lens"][r] = s.pos0 + q
+            bt = s.block_table.cpu().to(torch.int64)
+            table[r, :bt.numel()] = bt.to(torch.int32)
+            pos = torch.arange(s.pos0, s.pos0 + q)
+            host["cache_index"][r * q:(r + 1) * q] = bt[pos // block_size] * block_size + pos % block_size
+        host_ids = torch.zeros(rows, dtype=torch.int64)  # padding rows look up token 0
+        host_ids[:ids.numel()] = ids.reshape(-1).cpu()
+        self.ids.copy_(host_ids, non_blocking=True)
+        self.block_table.copy_(table, non_blocking=True)
+        for name, t in host.items():
+            getattr(self, name).copy_(t, non_blocking=True)
+
+    def kda_segments(self) -> list[Segment]:
+        """The KDA view of these buffers as reference `Segment`s (what `ReferenceOps` runs)."""
+        q = self.q
+        return [Segment(request=r, row0=r * q, n=q, prefill=False, pos0=0,
+                        rec_slots=self.rec_slots[r].tolist(), rec_read_slot=int(self.rec_read_slot[r]),
+                        conv_slot=int(self.conv_slot[r]), accepted=int(self.accepted[r]),
+                        block_table=self.block_table[r])
+                for r in range(self.requests)]
+
+
+@dataclass
+class BuildReport:
+    buckets: list[tuple[int, int]]
+    seconds: float
+    graph_bytes: int
+    graphs: bool
+
+    def line(self) -> str:
+        mode = "CUDA graphs" if self.graphs else "eager (no CUDA graphs)"
+        return (f"specialized executor: {len(self.buckets)} buckets (rows, q) "
+                f"{', '.join(f'({r},{q})' for r, q in self.buckets)}; {mode}; built in {self.seconds:.1f} s; "
+                f"graph memory {self.graph_bytes / 2**20:.1f} MiB")
+
+
+class SpecializedDecode:
+    """Serves admitted decode steps of one rank from prepared kernels (module docstring)."""
+
+    def __init__(self, model: ReferenceModel, *, max_requests: int, max_len: int,
+                 buckets: Sequence[tuple[int, int]], ops: DecodeOps | None = None, graphs: bool | None = None,
+                 block_size: int = 64, log: Callable[[str], None] | None = None):
+        self.model, self.cfg, self.shard, self.coll = model, model.cfg, model.shard, model.coll
+        self.w = model.w
+        device = self.w.embed.device
+        self.ops = ops or (KernelOps() if device.type == "cuda" else ReferenceOps())
+        self.graphs = device.type == "cuda" if graphs is None else graphs
+        if self.graphs and device.type != "cuda":
+            raise ExecutorError("CUDA graphs need the weights on a CUDA device; pass graphs=False on CPU")
+        self.buckets = sorted(set((int(r), int(q)) for r, q in buckets))
+        bad = [(r, q) for r, q in self.buckets if not (1 <= q <= 8 and r >= q and r % q == 0)]
+        if not self.buckets or bad:
+            raise ExecutorError(f"buckets must be (rows, q) with 1 <= q <= 8 and rows a multiple of q; got "
+                                f"{bad or 'none'}")
+        max_q = max(q for _, q in self.buckets)
+        self.state = DecodeState(self.cfg, self.shard, max_requests=max_requests, max_len=max_len, max_q=max_q,
+                                 block_size=block_size, device=device)
+        self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
+        d_n = self.cfg.qk_nope_head_dim
+        self.tau = 1.0 / math.sqrt(d_n + self.cfg.qk_rope_head_dim)
+        # per-head absorption matrices, contiguous once (views of kv_b otherwise)
+        self.absorb = {i: tuple(t.contiguous() for t in split_kv_b(lw.attn.kv_b, self.cfg, self.shard.mla_heads))
+                       for i, lw in enumerate(self.w.layers) if not isinstance(lw.attn, KDAWeights)}
+        self.meta: dict[tuple[int, int], StepMeta] = {}
+        self.out: dict[tuple[int, int], torch.Tensor] = {}
+        self.graph: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
+        self.kernels: dict[tuple[int, int], list[tuple[str, str]]] = {}
+        self.report = self._build(device)
+
+    # ------------------------------------------------------------------ build
+
+    def _build(self, device: torch.device) -> BuildReport:
+        t0 = time.perf_counter()
+        pool = torch.cuda.graph_pool_handle() if self.graphs else None
+        before = torch.cuda.memory_allocated(device) if self.graphs else 0
+        for n, key in enumerate(self.buckets, 1):
+            rows, q = key
+            tb = time.perf_counter()
+            meta = self.meta[key] = StepMeta.padding(rows, q, self.state.blocks_per_req, device)
+            self.ops.trace = []
+            if not self.graphs:
+                self._forward(meta)  # a first run checks every op's envelope before any step is served
+            else:
+                side = torch.cuda.Stream(device)
+                side.wait_stream(torch.cuda.current_stream(device))
+                with torch.cuda.stream(side):
+                    self._forward(meta)  # compiles every kernel, allocates their scratch
+                torch.cuda.current_stream(device).wait_stream(side)
+                torch.cuda.synchronize(device)
+                self.ops.trace = []
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=pool):
+                    self.out[key] = self._forward(meta)
+                self.graph[key] = graph
+            self.kernels[key] = list(self.ops.trace)
+            self.log(f"[executor] bucket {n}/{len(self.buckets)} (rows {rows}, q {q}): "
+                     f"{len(self.kernels[key])} ops x {self.cfg.num_hidden_layers} layers' worth in "
+                     f"{time.perf_counter() - tb:.1f} s")
+        graph_bytes = torch.cuda.memory_allocated(device) - before if self.graphs else 0
+        report = BuildReport(self.buckets, time.perf_counter() - t0, graph_bytes, self.graphs)
+        self.log(report.line())
+        return report
+
+    # ------------------------------------------------------------------ serve
+
+    def plan(self, facts: StepFacts) -> tuple[int, int] | None:
+        """The (rows, q) bucket that serves the step, or None (standard path)."""
+        q = facts.tokens_per_request
+        if not facts.pure_decode or q is None or facts.max_context > self.state.max_len:
+            return None
+        rows = bucket_for(facts.rows, q, [r for r, qq in self.buckets if qq == q])
+        return None if rows is None else (rows, q)
+
+    def __call__(self, ids: torch.Tensor, segments: list[Segment], state: DecodeState) -> torch.Tensor:
+        """Full-vocab fp32 logits [rows, V] of a pure decode step; commits it to the state."""
+        if state is not self.state:
+            raise ExecutorError("the executor serves only the DecodeState it owns (executor.state); "
+                                "allocate the requests there")
+        q = segments[0].n if segments else 0
+        rows = sum(s.n for s in segments)
+        key = self.plan(StepFacts(rows=rows, tokens_per_request=q if all(s.n == q for s in segments) else None,
+                                  max_context=max((s.pos0 + s.n for s in segments), default=0),
+                                  pure_decode=not any(s.prefill for s in segments)))
+        if key is None:
+            raise ExecutorError(f"no bucket serves {rows} rows of {q}-token requests; route it to the standard path")
+        meta = self.meta[key]
+        meta.fill(ids, pad_to_bucket(segments, q, key[0], state), state.block_size)
+        if self.graphs:
+            self.graph[key].replay()
+            out = self.out[key]
+        else:
+            self.ops.trace = []
+            out = self._forward(meta)
+            self.kernels[key] = list(self.ops.trace)
+        for seg in segments:
+            state.commit(seg)
+        return out[:rows]
+
+    def launches(self, key: tuple[int, int]) -> list[str]:
+        """Names of the ops one step of this bucket runs, in order (the graph's kernels)."""
+        return [op if impl in ("cute", "reference") else f"{op} ({impl})" for op, impl in self.kernels[key]]
+
+    # ------------------------------------------------------------------ the step
+
+    def _forward(self, meta: StepMeta) -> torch.Tensor:
+        cfg, w, ops, coll = self.cfg, self.w, self.ops, self.coll
+        eps, block = cfg.rms_norm_eps, cfg.attn_res_block_size
+        rows = meta.ids.shape[0]
+        # slot 0: the embedding; slot j: the sum of block j − 1, written when layer j·block starts
+        blocks = torch.empty(1 + (cfg.num_hidden_layers - 1) // block, rows, cfg.hidden_size,
+                             dtype=w.embed.dtype, device=w.embed.device)
+        e = coll.all_reduce(ops.embed(meta.ids, w.embed, self.shard, cfg.vocab_size, out=blocks[0]))
+        if e.data_ptr() != blocks[0].data_ptr():
+            blocks[0].copy_(e)
+        n_blocks, partial, m = 1, None, None
+        for i, lw in enumerate(w.layers):
+            ar = lw.attn_res
+            if m is None:
+                u = ops.attn_res(blocks, n_blocks, None, ar.attn_norm, ar.attn_proj, eps, out_w=ar.input_norm)
+            elif i % block == 0:  # the running block completes: its sum becomes a block slot
+                u = ops.attn_res(blocks, n_blocks, partial, ar.attn_norm, ar.attn_proj, eps, addend=m,
+                                 live_out=blocks[n_blocks], out_w=ar.input_norm)
+                n_blocks, partial = n_blocks + 1, None
+            else:
+                u = ops.attn_res(blocks, n_blocks, partial, ar.attn_norm, ar.attn_proj, eps, addend=m,
+                                 live_out=partial, out_w=ar.input_norm)
+            a = self._kda(i, lw.attn, u, meta) if isinstance(lw.attn, KDAWeights) else self._mla(i, lw.attn, u, meta)
+            if partial is None:
+                partial = a
+                v = ops.attn_res(blocks, n_blocks, partial, ar.mlp_norm, ar.mlp_proj, eps, out_w=ar.post_norm)
+            else:
+                v = ops.attn_res(blocks, n_blocks, partial, ar.mlp_norm, ar.mlp_proj, eps, addend=a,
+                                 live_out=partial, out_w=ar.post_norm)
+            m = self._moe(lw.mlp, v) if isinstance(lw.mlp, MoEWeights) else self._dense(lw.mlp, v)
+        h = ops.attn_res(blocks, n_blocks, partial, w.out_res_norm, w.out_res_proj, eps, addend=m,
+                         final_norm=w.final_norm)
+        return ops.logits_scale(coll.all_gather(ops.linear(h, w.lm_head), dim=-1), cfg.logit_scale)
+
+    def _kda(self, i: int, w: KDAWeights, u: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+        ops, p, d = self.ops, self.shard.kda_proj, self.cfg.kda_head_dim
+        z = ops.linear(u, w.in_proj)
+        g_raw = ops.linear(ops.copy(z[:, 4 * p:4 * p + d]), w.f_b)
+        y = ops.kda_core(z, g_raw, w, self.state.kda[i], meta, self.cfg, self.shard)
+        return self.coll.all_reduce(ops.linear(y, w.o_proj))
+
+    def _mla(self, i: int, w, u: torch.Tensor, meta: StepMeta) -> torch.Tensor:
+        cfg, ops = self.cfg, self.ops
+        heads, eps = self.shard.mla_heads, cfg.rms_norm_eps
+        r_q, r_kv, d_r, d_n, d_v = (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
+                                    cfg.v_head_dim)
+        q_c, kv_c, k_pe, gate = ops.linear(u, w.fused_a).split([r_q, r_kv, d_r, heads * d_v], dim=-1)
+        q_c = ops.rms_norm(q_c, w.q_a_norm, eps)
+        latent = ops.rms_norm(kv_c, w.kv_a_norm, eps)
+        q = ops.linear(q_c, w.q_b).view(-1, heads, d_n + d_r)
+        w_uk, w_uv = self.absorb[i]
+        q_lat = ops.mla_absorb(q, w_uk, d_n)
+        cache = self.state.mla[i].cache
+        ops.mla_cache_write(cache, meta.cache_index, latent, k_pe)
+        o = ops.mla_unabsorb(ops.mla_attend(q_lat, cache, meta, r_kv, self.tau), w_uv)
+        return self.coll.all_reduce(ops.linear(ops.mla_gate(o, gate), w.o_proj))
+
+    def _moe(self, w: MoEWeights, v: torch.Tensor) -> torch.Tensor:
+        cfg, ops = self.cfg, self.ops
+        weights, ids = ops.route(ops.linear(v, w.router, out_dtype=F32), w.bias, cfg)
+        y = self.coll.all_reduce(ops.routed_experts(ops.linear(v, w.latent_down), ids, weights, w, cfg, self.shard))
+        if cfg.latent_moe_use_norm:
+            y = ops.rms_norm(y, w.latent_norm, cfg.rms_norm_eps)
+        routed = ops.linear(y, w.latent_up)
+        shared = self._gated_mlp(w.shared_gate_up, w.shared_down, v)
+        return ops.bf16_add(routed, shared)
+
+    def _dense(self, w: DenseMLPWeights, v: torch.Tensor) -> torch.Tensor:
+        return self._gated_mlp(w.gate_up, w.down, v)
+
+    def _gated_mlp(self, gate_up: torch.Tensor, down: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        h = self.ops.situ_and_mul(self.ops.linear(v, gate_up), *activation_clips(self.cfg))
+        return self.coll.all_reduce(self.ops.linear(h, down))

@@ -1,0 +1,145 @@
+"""The specialized executor's plumbing on CPU: with `ReferenceOps` its step must equal the
+reference model's bit for bit (AttnRes block slots, MLA cache writes, KDA slots, padding to a
+bucket, verify steps and rollback), since both run the same functions and only the executor's
+buffers, metadata and layer wiring differ. The kernels themselves are the GPU tests' job."""
+
+import pytest
+import torch
+
+from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import GLUE, ReferenceOps
+from vllm.models.kimi_k3.nvidia.latency_specialized.deployment import StepFacts
+from vllm.models.kimi_k3.nvidia.latency_specialized.engine import Engine, Request
+from vllm.models.kimi_k3.nvidia.latency_specialized.executor import ExecutorError, SpecializedDecode, StepMeta
+from vllm.models.kimi_k3.nvidia.latency_specialized.sampler import SamplingParams
+
+from ._util import mini_model
+
+BUCKETS = [(1, 1), (2, 1), (4, 1), (8, 1), (8, 2), (16, 8)]
+
+
+@pytest.fixture(scope="module")
+def model():
+    return mini_model(seed=0)
+
+
+def _executor(model, **kw):
+    return SpecializedDecode(model, max_requests=4, max_len=96, buckets=BUCKETS, ops=ReferenceOps(), graphs=False,
+                             log=lambda _: None, **kw)
+
+
+def _prefill(model, state, prompts):
+    slots = [state.allocate() for _ in prompts]
+    segs, row = [], 0
+    for r, p in zip(slots, prompts):
+        segs.append(state.segment(r, row, len(p), prefill=True))
+        row += len(p)
+    model.forward(torch.tensor(sum(prompts, [])), segs, state)
+    return slots
+
+
+def _same_state(a, b):
+    assert a.seq_lens == b.seq_lens and a.accepted == b.accepted
+    for i in a.kda:  # every slot a request owns; slot 0 is scratch for padding
+        assert torch.equal(a.kda[i].rec[1:], b.kda[i].rec[1:]), f"layer {i} recurrent state"
+        assert torch.equal(a.kda[i].conv[1:], b.kda[i].conv[1:]), f"layer {i} conv state"
+    for i in a.mla:
+        assert torch.equal(a.mla[i].cache[1:], b.mla[i].cache[1:]), f"layer {i} latent cache"
+
+
+@pytest.mark.parametrize("n_req, q", [(1, 1), (3, 1), (4, 2), (2, 8)])
+def test_step_equals_reference_bit_for_bit(model, n_req, q):
+    """Decode and verify steps (padded to their bucket where needed), then a partial accept."""
+    ex = _executor(model)
+    ref = model.new_state(max_requests=4, max_len=96, max_q=ex.state.max_q)
+    g = torch.Generator().manual_seed(n_req * 10 + q)
+    prompts = [torch.randint(0, 260, (7 + 5 * j,), generator=g).tolist() for j in range(n_req)]
+    slots = _prefill(model, ex.state, prompts)
+    assert _prefill(model, ref, prompts) == slots
+    for step in range(3):
+        ids = torch.randint(0, 260, (n_req * q,), generator=g)
+        segs_x = [ex.state.segment(r, j * q, q, prefill=False) for j, r in enumerate(slots)]
+        segs_r = [ref.segment(r, j * q, q, prefill=False) for j, r in enumerate(slots)]
+        got = ex(ids, segs_x, ex.state)
+        want = model.logits(model.forward(ids, segs_r, ref))
+        assert got.shape == want.shape and torch.equal(got, want), f"step {step}"
+        _same_state(ex.state, ref)
+        if q > 1:  # keep a different prefix per request: the next step must start from it exactly
+            for j, r in enumerate(slots):
+                k = 1 + (j + step) % q
+                ex.state.accept(r, k)
+                ref.accept(r, k)
+
+
+def test_padding_rows_write_only_the_null_slot(model):
+    """Three requests run in bucket 4: the padding request may write only slot 0 and block 0."""
+    ex = _executor(model)
+    slots = _prefill(model, ex.state, [[5, 6, 7], [8, 9], [1, 2, 3, 4]])
+    for st in ex.state.kda.values():  # poison the null slot: real rows must never read it
+        st.rec[0].fill_(float("nan"))
+        st.conv[0].fill_(float("nan"))
+    for st in ex.state.mla.values():
+        st.cache[0].fill_(float("nan"))
+    owned_rec = {ex.state.rec_slot(r, 0) for r in slots}
+    owned_blocks = set(ex.state.block_table[slots].flatten().tolist())
+    before_rec = {i: st.rec.clone() for i, st in ex.state.kda.items()}
+    before_cache = {i: st.cache.clone() for i, st in ex.state.mla.items()}
+    segs = [ex.state.segment(r, j, 1, prefill=False) for j, r in enumerate(slots)]
+    logits = ex(torch.tensor([4, 5, 6]), segs, ex.state)
+    assert logits.shape[0] == 3 and torch.isfinite(logits).all()
+    for i, rec in before_rec.items():
+        for s in range(1, rec.shape[0]):
+            if s not in owned_rec:
+                assert torch.equal(ex.state.kda[i].rec[s], rec[s]), f"layer {i} slot {s}"
+    for i, cache in before_cache.items():
+        for blk in range(1, cache.shape[0]):
+            if blk not in owned_blocks:
+                assert torch.equal(ex.state.mla[i].cache[blk], cache[blk]), f"layer {i} block {blk}"
+
+
+def test_every_op_is_recorded_and_only_glue_runs_outside_the_table(model):
+    ex = _executor(model)
+    slots = _prefill(model, ex.state, [[1, 2, 3]])
+    ex(torch.tensor([4]), [ex.state.segment(slots[0], 0, 1, prefill=False)], ex.state)
+    trace = ex.kernels[(1, 1)]
+    impls = {op: impl for op, impl in trace}
+    assert {op for op, impl in trace if impl != "reference"} <= set(GLUE)
+    layers = model.cfg.num_hidden_layers
+    assert sum(op == "attn_res" for op, _ in trace) == 2 * layers + 1
+    assert sum(op == "kda_core" for op, _ in trace) == len(model.cfg.kda_layers)
+    assert sum(op == "mla_attend" for op, _ in trace) == len(model.cfg.full_attn_layers)
+    assert impls["embed"] == "reference" and ex.launches((1, 1))[0] == "embed"
+
+
+def test_plan_declines_what_no_bucket_serves(model):
+    ex = _executor(model)
+    assert ex.plan(StepFacts(rows=3, tokens_per_request=1, max_context=10, pure_decode=True)) == (4, 1)
+    assert ex.plan(StepFacts(rows=16, tokens_per_request=8, max_context=10, pure_decode=True)) == (16, 8)
+    for facts in (StepFacts(rows=9, tokens_per_request=1, max_context=10, pure_decode=True),
+                  StepFacts(rows=3, tokens_per_request=3, max_context=10, pure_decode=True),
+                  StepFacts(rows=2, tokens_per_request=None, max_context=10, pure_decode=True),
+                  StepFacts(rows=2, tokens_per_request=1, max_context=10, pure_decode=False),
+                  StepFacts(rows=2, tokens_per_request=1, max_context=97, pure_decode=True)):
+        assert ex.plan(facts) is None, facts
+    with pytest.raises(ExecutorError, match="owns"):
+        ex(torch.tensor([1]), [], model.new_state(max_requests=1, max_len=8))
+    with pytest.raises(ExecutorError, match="rows a multiple of q"):
+        SpecializedDecode(model, max_requests=1, max_len=8, buckets=[(3, 2)], graphs=False, log=lambda _: None)
+    with pytest.raises(ExecutorError, match="whole 2-token requests"):
+        StepMeta.padding(3, 2, 4, torch.device("cpu"))
+
+
+def test_engine_on_the_executor_state_matches_the_standard_engine(model):
+    """Greedy generation through the executor (every decode step specialized) gives the standard tokens."""
+    ex = _executor(model)
+    reqs = [Request([10, 20, 30, 40], SamplingParams(max_tokens=12)),
+            Request([7, 7, 7], SamplingParams(max_tokens=12, temperature=0.8, top_k=20, seed=3))]
+
+    class Always:  # a dispatcher that admits every decode step
+        def route(self, facts):
+            return type("R", (), {"path": "specialized" if ex.plan(facts) else "standard"})()
+
+    spec = Engine(model, dispatcher=Always(), specialized=ex, state=ex.state, max_requests=4, max_len=96)
+    std = Engine(model, max_requests=4, max_len=96)
+    got, want = spec.generate(reqs), std.generate(reqs)
+    assert [c.output_ids for c in got] == [c.output_ids for c in want]
+    assert spec.stats.paths.get("specialized", 0) == 11 and not any(ex.state.in_use)
