@@ -40,8 +40,7 @@ if TYPE_CHECKING:
 
 # Ops that run as plain torch on both tables: views, copies and elementwise epilogues that
 # no kernel fuses yet, and the per-head MLA (un)absorption GEMMs on cuBLAS.
-GLUE = ("copy", "mla_absorb", "mla_unabsorb", "mla_cache_write", "mla_gate", "situ_and_mul", "bf16_add",
-        "logits_scale")
+GLUE = ("copy", "mla_absorb", "mla_unabsorb", "mla_gate", "situ_and_mul", "bf16_add", "logits_scale")
 
 
 class DecodeOps:
@@ -59,12 +58,6 @@ class DecodeOps:
     def copy(self, x: torch.Tensor) -> torch.Tensor:
         self._rec("copy", "torch")
         return x.contiguous()
-
-    def mla_cache_write(self, cache: torch.Tensor, index: torch.Tensor, latent: torch.Tensor,
-                        k_pe: torch.Tensor) -> None:
-        """cache rows `index` (flat block·block_size + offset) ← [latent | k_pe]."""
-        self._rec("mla_cache_write", "torch")
-        cache.view(-1, cache.shape[-1]).index_copy_(0, index, torch.cat([latent, k_pe], dim=-1))
 
     def mla_gate(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         self._rec("mla_gate", "torch")
@@ -119,6 +112,13 @@ class ReferenceOps(DecodeOps):
         self._rec("embed")
         return out.copy_(ref_embed(ids, table, shard, vocab_size, SingleRank()))
 
+    def mla_cache_write(self, kv_c: torch.Tensor, k_pe: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                        cache: torch.Tensor, index: torch.Tensor) -> None:
+        """cache rows `index` (flat block·block_size + offset) ← [RMSNorm(kv_c) | k_pe]."""
+        self._rec("mla_cache_write")
+        rows = torch.cat([rms_norm(kv_c, norm_w, eps), k_pe], dim=-1)
+        cache.view(-1, cache.shape[-1]).index_copy_(0, index, rows)
+
     def attn_res(self, blocks: torch.Tensor, n_blocks: int, prefix: torch.Tensor | None, norm_w: torch.Tensor,
                  proj_w: torch.Tensor, eps: float, *, addend: torch.Tensor | None = None,
                  live_out: torch.Tensor | None = None, out_w: torch.Tensor | None = None,
@@ -168,9 +168,10 @@ class KernelOps(DecodeOps):
 
     def __init__(self) -> None:
         super().__init__()
-        from ..kernels import (attn_res, embedding, kda_decode, mla_decode, moe_experts, moe_router, rms_norm,
-                               skinny_gemm)
+        from ..kernels import (attn_res, embedding, kda_decode, mla_cache_write, mla_decode, moe_experts, moe_router,
+                               rms_norm, skinny_gemm)
         self.k_attn_res, self.k_embedding, self.k_kda = attn_res, embedding, kda_decode
+        self.k_cache_write = mla_cache_write
         self.k_mla, self.k_experts, self.k_router = mla_decode, moe_experts, moe_router
         self.k_norm, self.k_gemm = rms_norm, skinny_gemm
 
@@ -206,6 +207,11 @@ class KernelOps(DecodeOps):
         return self.k_kda.launch(z, g_raw, w.conv, w.A_log, w.dt_bias, w.o_norm, st.rec, st.conv,
                                  meta.conv_slot, meta.rec_read_slot, meta.rec_slots, meta.accepted,
                                  cfg.gate_lower_bound)
+
+    def mla_cache_write(self, kv_c: torch.Tensor, k_pe: torch.Tensor, norm_w: torch.Tensor, eps: float,
+                        cache: torch.Tensor, index: torch.Tensor) -> None:
+        self._rec("mla_cache_write")
+        self.k_cache_write.launch(kv_c, k_pe, norm_w, eps, cache, index)
 
     def mla_attend(self, q_lat: torch.Tensor, cache: torch.Tensor, meta: StepMeta, r_kv: int,
                    tau: float) -> torch.Tensor:

@@ -79,7 +79,7 @@ class StepMeta:
                    rec_read_slot=i32(r), rec_slots=i32(r, q), accepted=i32(r) + 1,
                    block_table=i32(r, max_blocks), seq_lens=i32(r) + q,
                    query_start=torch.arange(0, rows + 1, q, dtype=torch.int32, device=device),
-                   cache_index=torch.arange(q, dtype=torch.int64, device=device).repeat(r))
+                   cache_index=torch.arange(rows, dtype=torch.int64, device=device))
         return meta
 
     @property
@@ -101,6 +101,9 @@ class StepMeta:
             host["seq_lens"][r] = s.pos0 + q
             bt = s.block_table.cpu().to(torch.int64)
             table[r, :bt.numel()] = bt.to(torch.int32)
+            if s.request < 0:  # padding: distinct rows of the null block 0, one per row of the step
+                host["cache_index"][r * q:(r + 1) * q] = torch.arange(r * q, (r + 1) * q)
+                continue
             pos = torch.arange(s.pos0, s.pos0 + q)
             host["cache_index"][r * q:(r + 1) * q] = bt[pos // block_size] * block_size + pos % block_size
         host_ids = torch.zeros(rows, dtype=torch.int64)  # padding rows look up token 0
@@ -153,6 +156,9 @@ class SpecializedDecode:
             raise ExecutorError(f"buckets must be (rows, q) with 1 <= q <= 8 and rows a multiple of q; got "
                                 f"{bad or 'none'}")
         max_q = max(q for _, q in self.buckets)
+        if block_size < max(r for r, _ in self.buckets):
+            raise ExecutorError(f"block_size {block_size} is below the largest bucket's {max(self.buckets)[0]} rows: "
+                                "each padding row writes its own row of the null block 0, so raise block_size")
         self.state = DecodeState(self.cfg, self.shard, max_requests=max_requests, max_len=max_len, max_q=max_q,
                                  block_size=block_size, device=device)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
@@ -289,13 +295,11 @@ class SpecializedDecode:
         r_q, r_kv, d_r, d_n, d_v = (cfg.q_lora_rank, cfg.kv_lora_rank, cfg.qk_rope_head_dim, cfg.qk_nope_head_dim,
                                     cfg.v_head_dim)
         q_c, kv_c, k_pe, gate = ops.linear(u, w.fused_a).split([r_q, r_kv, d_r, heads * d_v], dim=-1)
-        q_c = ops.rms_norm(q_c, w.q_a_norm, eps)
-        latent = ops.rms_norm(kv_c, w.kv_a_norm, eps)
-        q = ops.linear(q_c, w.q_b).view(-1, heads, d_n + d_r)
+        cache = self.state.mla[i].cache
+        ops.mla_cache_write(kv_c, k_pe, w.kv_a_norm, eps, cache, meta.cache_index)
+        q = ops.linear(ops.rms_norm(q_c, w.q_a_norm, eps), w.q_b).view(-1, heads, d_n + d_r)
         w_uk, w_uv = self.absorb[i]
         q_lat = ops.mla_absorb(q, w_uk, d_n)
-        cache = self.state.mla[i].cache
-        ops.mla_cache_write(cache, meta.cache_index, latent, k_pe)
         o = ops.mla_unabsorb(ops.mla_attend(q_lat, cache, meta, r_kv, self.tau), w_uv)
         return self.coll.all_reduce(ops.linear(ops.mla_gate(o, gate), w.o_proj))
 
