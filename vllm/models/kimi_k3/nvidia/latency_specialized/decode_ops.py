@@ -50,6 +50,12 @@ class DecodeOps:
 
     def __init__(self) -> None:
         self.trace: list[tuple[str, str]] = []
+        # each MoE layer's expert ids of the last traced step; after a capture these are graph-pool
+        # tensors that every replay rewrites, so a benchmark reads the experts a step really touched
+        self.routed: list[torch.Tensor] = []
+
+    def reset(self) -> None:
+        self.trace, self.routed = [], []
 
     def _rec(self, op: str, impl: str | None = None) -> None:
         self.trace.append((op, impl or self.impl))
@@ -153,6 +159,7 @@ class ReferenceOps(DecodeOps):
               ) -> tuple[torch.Tensor, torch.Tensor]:
         self._rec("moe_route")
         weights, ids = ref_moe.route(logits, bias, cfg)
+        self.routed.append(ids)
         return weights, ids.to(torch.int32)
 
     def routed_experts(self, x_lat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: MoEWeights,
@@ -223,8 +230,10 @@ class KernelOps(DecodeOps):
     def route(self, logits: torch.Tensor, bias: torch.Tensor, cfg: K3TextConfig
               ) -> tuple[torch.Tensor, torch.Tensor]:
         self._rec("moe_router")
-        return self.k_router.launch(logits, bias, cfg.num_experts_per_token, renormalize=cfg.moe_renormalize,
-                                    routed_scaling_factor=cfg.routed_scaling_factor)
+        weights, ids = self.k_router.launch(logits, bias, cfg.num_experts_per_token, renormalize=cfg.moe_renormalize,
+                                            routed_scaling_factor=cfg.routed_scaling_factor)
+        self.routed.append(ids)
+        return weights, ids
 
     def routed_experts(self, x_lat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: MoEWeights,
                        cfg: K3TextConfig, shard: ShardShapes) -> torch.Tensor:

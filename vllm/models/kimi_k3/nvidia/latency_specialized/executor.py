@@ -171,6 +171,7 @@ class SpecializedDecode:
         self.out: dict[tuple[int, int], torch.Tensor] = {}
         self.graph: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
         self.kernels: dict[tuple[int, int], list[tuple[str, str]]] = {}
+        self.routed: dict[tuple[int, int], list[torch.Tensor]] = {}  # per MoE layer, the last step's expert ids
         self.report = self._build(device)
 
     # ------------------------------------------------------------------ build
@@ -183,7 +184,7 @@ class SpecializedDecode:
             rows, q = key
             tb = time.perf_counter()
             meta = self.meta[key] = StepMeta.padding(rows, q, self.state.blocks_per_req, device)
-            self.ops.trace = []
+            self.ops.reset()
             if not self.graphs:
                 self._forward(meta)  # a first run checks every op's envelope before any step is served
             else:
@@ -193,12 +194,12 @@ class SpecializedDecode:
                     self._forward(meta)  # compiles every kernel, allocates their scratch
                 torch.cuda.current_stream(device).wait_stream(side)
                 torch.cuda.synchronize(device)
-                self.ops.trace = []
+                self.ops.reset()
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=pool):
                     self.out[key] = self._forward(meta)
                 self.graph[key] = graph
-            self.kernels[key] = list(self.ops.trace)
+            self.kernels[key], self.routed[key] = list(self.ops.trace), list(self.ops.routed)
             self.log(f"[executor] bucket {n}/{len(self.buckets)} (rows {rows}, q {q}): "
                      f"{len(self.kernels[key])} ops x {self.cfg.num_hidden_layers} layers' worth in "
                      f"{time.perf_counter() - tb:.1f} s")
@@ -235,12 +236,20 @@ class SpecializedDecode:
             self.graph[key].replay()
             out = self.out[key]
         else:
-            self.ops.trace = []
+            self.ops.reset()
             out = self._forward(meta)
-            self.kernels[key] = list(self.ops.trace)
+            self.kernels[key], self.routed[key] = list(self.ops.trace), list(self.ops.routed)
         for seg in segments:
             state.commit(seg)
         return out[:rows]
+
+    def replay(self, key: tuple[int, int]) -> torch.Tensor:
+        """Run the bucket's step again on the metadata its last call wrote (benchmarks time this:
+        the device work of a step without the host's metadata fill). Commits nothing."""
+        if self.graphs:
+            self.graph[key].replay()
+            return self.out[key]
+        return self._forward(self.meta[key])
 
     def launches(self, key: tuple[int, int]) -> list[str]:
         """Names of the ops one step of this bucket runs, in order (the graph's kernels)."""

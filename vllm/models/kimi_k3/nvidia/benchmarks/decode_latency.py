@@ -1,0 +1,365 @@
+"""Decode-step latency on one GPU: the specialized path against the standard path and the HBM floor.
+
+    python -m vllm.models.kimi_k3.nvidia.benchmarks.decode_latency --out DIR [--quick] [--tp 16 8]
+                                                                   [--rows 1 2 8 64] [--q 1 8] [--contexts 4096]
+
+**Per-rank compute on one GPU; collectives are not timed.** Each point builds one rank's shard
+of K3 at TP16 or TP8 shapes (seeded random weights drawn on the GPU, `ShardRandomSource`) as
+one AttnRes block of 12 consecutive layers with K3's KDA/MLA pattern (9 KDA, 3 MLA, a dense
+layer 0 and 11 latent-MoE layers with all 896 experts, bf16: a whole bf16 shard does not fit
+one H200, K3_MATH.md §5). The cross-rank sums are identities (`SingleRank`), so the all-reduces
+and the LM-head all-gather of a real deployment are left out, as are the other 81 layers: the
+93-layer figure printed beside each time is the 12-layer time × 93/12, a linear scaling.
+
+In one process, per (TP, rows, tokens per request q, context):
+
+| path | what runs |
+| --- | --- |
+| specialized | `SpecializedDecode` with `KernelOps`: the CUDA-graph replay of the bucket's CuTe DSL kernels |
+| standard eager | `ReferenceModel.forward` + LM head on CUDA (cuBLAS GEMMs, torch ops, per-request loops) |
+| standard graphed | `SpecializedDecode` with `TorchOps`: plain PyTorch on cuBLAS, captured in the same kind of CUDA graph (the strongest standard baseline built here) |
+
+Times are medians of CUDA-event-timed steps after warm-up; the floor is the bytes the step must
+touch (every dense weight of the block, the experts its rows selected, once each; the KDA
+states read and written; the MLA cache read over the context; embedding rows and the LM-head
+shard) over the copy bandwidth measured in the same run. Before timing, each path's logits are
+compared with the standard eager path's on the same states and inputs (parity record).
+Verify steps (q > 1) use synthetic acceptance: every draft is kept.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..latency_specialized.config import preset
+from ..latency_specialized.decode_ops import GLUE, KernelOps
+from ..latency_specialized.evidence import write_record
+from ..latency_specialized.executor import SpecializedDecode
+from ..latency_specialized.weights import ShardRandomSource, load_rank
+from ..reference.model import ReferenceModel
+from ..reference.params import KDAWeights, MoEWeights
+from .bench_skinny_gemm import copy_bandwidth_TBps
+
+BLOCK_LAYERS = 12
+FULL_LAYERS = 93
+SOURCES = ("vllm/models/kimi_k3/nvidia/latency_specialized/executor.py",
+           "vllm/models/kimi_k3/nvidia/latency_specialized/decode_ops.py",
+           "vllm/models/kimi_k3/nvidia/latency_specialized/torch_ops.py",
+           "vllm/models/kimi_k3/nvidia/benchmarks/decode_latency.py",
+           *(f"vllm/models/kimi_k3/nvidia/kernels/{k}.py" for k in (
+               "attn_res", "embedding", "kda_decode", "mla_cache_write", "mla_decode", "mla_combine", "moe_combine",
+               "moe_experts", "moe_router", "rms_norm", "skinny_gemm")))
+# parity thresholds (logits of this rank's vocab shard, specialized vs standard eager, per step):
+# the two paths round at the same points but sum in different orders (split-K, split-KV, fp32
+# trees), ~1e-3 relative per layer; a near-tied top-16 router choice can flip an expert, which
+# moves that row by O(1e-1), so the bounds are on the median step and on greedy agreement.
+PARITY_MEDIAN_REL = 3e-2
+CACHE_BUDGET = 30e9  # bytes of MLA cache the three states of one context may hold
+PARITY_TOP1 = 0.9
+
+
+def k3_block(tp: int, seed: int = 0, device: str = "cuda", layers: int = BLOCK_LAYERS,
+             experts: int | None = None) -> ReferenceModel:
+    """Rank 0 of a TP shard of K3's first `layers` layers (K3's pattern), random weights on the GPU."""
+    k3 = preset("k3")
+    cfg = k3.replace(num_hidden_layers=layers, name=f"k3-{layers}L",
+                     kda_layers=tuple(i for i in k3.kda_layers if i <= layers),
+                     full_attn_layers=tuple(i for i in k3.full_attn_layers if i <= layers),
+                     **({"num_experts": experts} if experts else {}))
+    cfg.validate()
+    w = load_rank(ShardRandomSource(cfg, seed=seed, device=device), cfg, tp=tp, rank=0, device=device)
+    return ReferenceModel(cfg, w, tp=tp, rank=0)
+
+
+def fill_state(state, requests: int, context: int, gen: torch.Generator) -> list[int]:
+    """Allocate requests holding `context - 1` cached tokens of random (realistically scaled) state."""
+    slots = [state.allocate() for _ in range(requests)]
+    for r in slots:
+        state.seq_lens[r] = context - 1
+    for st in state.kda.values():
+        st.rec.copy_(0.05 * torch.randn(st.rec.shape, generator=gen, device=st.rec.device))
+        st.conv.copy_(torch.randn(st.conv.shape, generator=gen, device=st.conv.device).to(st.conv.dtype))
+    for st in state.mla.values():
+        st.cache.copy_(torch.randn(st.cache.shape, generator=gen, device=st.cache.device).to(st.cache.dtype))
+    return slots
+
+
+def copy_state(dst, src) -> None:
+    dst.seq_lens, dst.accepted, dst.in_use = list(src.seq_lens), list(src.accepted), list(src.in_use)
+    for i in src.kda:
+        dst.kda[i].rec.copy_(src.kda[i].rec)
+        dst.kda[i].conv.copy_(src.kda[i].conv)
+    for i in src.mla:
+        dst.mla[i].cache.copy_(src.mla[i].cache)
+
+
+def _segments(state, slots: list[int], q: int) -> list:
+    return [state.segment(r, j * q, q, prefill=False) for j, r in enumerate(slots)]
+
+
+def _rollback(state, slots: list[int], q: int) -> None:
+    """Undo a step's commit on the host (the cache rows it wrote are rewritten by the next step)."""
+    for r in slots:
+        state.seq_lens[r] -= q
+        state.accepted[r] = 1
+
+
+def median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
+    times = []
+    for i in range(warmup + reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        if i >= warmup:
+            times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def floor_bytes(model: ReferenceModel, ex: SpecializedDecode, key: tuple[int, int], requests: int,
+                context: int) -> int:
+    """Bytes one step must move: dense weights, selected experts, states, cache, embedding rows."""
+    w, rows = model.w, key[0]
+    dense = w.lm_head.numel() * 2 + rows * w.embed.shape[1] * 2
+    expert = 0
+    routed = iter(ex.routed[key])
+    for lw in w.layers:
+        for t in (*lw.attn_res.tensors().values(), *lw.attn.tensors().values()):
+            dense += t.numel() * t.element_size()
+        if isinstance(lw.mlp, MoEWeights):
+            for name, t in lw.mlp.tensors().items():
+                if name not in ("w13", "w2"):
+                    dense += t.numel() * t.element_size()
+            ids = next(routed)[:requests * key[1]].flatten()
+            per_expert = (lw.mlp.w13[0].numel() + lw.mlp.w2[0].numel()) * 2
+            expert += int(torch.unique(ids).numel()) * per_expert
+        else:
+            dense += sum(t.numel() * t.element_size() for t in lw.mlp.tensors().values())
+    state = 0
+    for i, lw in enumerate(w.layers):
+        if isinstance(lw.attn, KDAWeights):
+            per = ex.state.kda[i].rec[0].numel() * 4
+            state += requests * per * (1 + key[1])  # read one state, write one per token
+        else:
+            state += requests * (context + key[1]) * ex.state.mla[i].cache.shape[-1] * 2
+    return dense + expert + state
+
+
+def parity(model: ReferenceModel, ex: SpecializedDecode, std_state, slots: list[int], q: int,
+           steps: int, gen: torch.Generator) -> dict:
+    """Logits of `ex` against the standard eager path over `steps` steps from equal states."""
+    copy_state(std_state, ex.state)
+    vocab = model.w.lm_head.shape[0]
+    ids = torch.randint(0, vocab, (len(slots) * q,), generator=gen, device="cuda")
+    errs, top1, kls = [], [], []
+    for _ in range(steps):
+        got = ex(ids, _segments(ex.state, slots, q), ex.state)
+        want = model.logits(model.forward(ids, _segments(std_state, slots, q), std_state))
+        errs.append(float((got.double() - want.double()).norm() / want.double().norm()))
+        top1.append(float((got.argmax(-1) == want.argmax(-1)).float().mean()))
+        lp, lq = torch.log_softmax(want.double(), -1), torch.log_softmax(got.double(), -1)
+        kls.append(float((lp.exp() * (lp - lq)).sum(-1).max()))
+        ids = want.argmax(-1)  # greedy on the standard path feeds both
+    quarter = max(1, steps // 4)
+    return {"steps": steps, "rel_err_median": statistics.median(errs), "rel_err_max": max(errs),
+            "rel_err_first_quarter": statistics.median(errs[:quarter]),
+            "rel_err_last_quarter": statistics.median(errs[-quarter:]),
+            "top1_agreement": statistics.mean(top1), "kl_max": max(kls)}
+
+
+def run_point(model, executors: dict, std_state, tp: int, rows: int, q: int, context: int, reps: int,
+              parity_steps: int, copy_bw: float, gen: torch.Generator) -> list[dict]:
+    requests = rows // q
+    out = []
+    spec = executors["specialized"]
+    key = (rows, q)
+    for st in (spec.state, std_state, *(e.state for e in executors.values())):
+        for r in range(st.max_requests):
+            st.free(r)
+    slots = fill_state(spec.state, requests, context, gen)
+    for name, ex in executors.items():
+        if ex is not spec:
+            copy_state(ex.state, spec.state)
+    copy_state(std_state, spec.state)
+    base = {"tp": tp, "rows": rows, "q": q, "context": context, "requests": requests}
+    par = {name: parity(model, ex, std_state, slots, q, parity_steps, gen) for name, ex in executors.items()}
+    for ex in executors.values():  # parity advanced every state; restart all from the same one
+        _rollback_to(ex.state, slots, context)
+    _rollback_to(std_state, slots, context)
+    ids = torch.randint(0, model.w.lm_head.shape[0], (requests * q,), generator=gen, device="cuda")
+    times = {}
+    for name, ex in executors.items():  # one call fills the bucket's metadata; then time the replay alone
+        ex(ids, _segments(ex.state, slots, q), ex.state)
+        _rollback(ex.state, slots, q)
+        times[name] = median_ms(lambda ex=ex: ex.replay(key), reps)
+    segs = _segments(std_state, slots, q)
+
+    def std_step():
+        model.logits(model.forward(ids, segs, std_state))
+        _rollback(std_state, slots, q)
+    times["standard_eager"] = median_ms(std_step, max(3, reps // 4))
+    fb = floor_bytes(model, spec, key, requests, context)
+    floor_ms = fb / (copy_bw * 1e12) * 1e3
+    t_spec = times["specialized"]
+    res = {**base, "name": f"tp{tp} rows{rows} q{q} ctx{context}", "time_us": t_spec * 1e3,
+           "baseline_us": {k: v * 1e3 for k, v in times.items() if k != "specialized"},
+           "floor_us": floor_ms * 1e3, "floor_bytes": fb, "x_floor": t_spec / floor_ms,
+           "speedup_vs_eager": times["standard_eager"] / t_spec,
+           "speedup_vs_graphed": times["standard_graphed"] / t_spec if "standard_graphed" in times else None,
+           "tokens_per_s_per_request": q / (t_spec * 1e-3 * FULL_LAYERS / BLOCK_LAYERS),
+           "tokens_per_s_per_gpu": rows / (t_spec * 1e-3 * FULL_LAYERS / BLOCK_LAYERS),
+           "step_93_layers_est_us": t_spec * 1e3 * FULL_LAYERS / BLOCK_LAYERS, "parity": par}
+    ok = all(p["rel_err_median"] < PARITY_MEDIAN_REL and p["top1_agreement"] >= PARITY_TOP1 for p in par.values())
+    res["status"] = "pass" if ok else "fail"
+    out.append(res)
+    return out
+
+
+def _rollback_to(state, slots: list[int], context: int) -> None:
+    for r in slots:
+        state.seq_lens[r] = context - 1
+        state.accepted[r] = 1
+
+
+def targets_of(results: list[dict]) -> list[dict]:
+    def pick(**kw):
+        return [r for r in results if all(r[k] == v for k, v in kw.items())]
+    out = []
+    small = [r for r in pick(tp=16, q=1, context=4096) if r["rows"] in (1, 2)]
+    if small and all(r["speedup_vs_graphed"] for r in small):
+        worst = min(r["speedup_vs_graphed"] for r in small)
+        out.append({"name": "rows 1-2, TP16, q 1, ctx 4K: specialized vs graphed standard", "target": ">= 2.0x",
+                    "value": round(worst, 3), "met": worst >= 2.0})
+    if small:
+        worst = max(r["x_floor"] for r in small)
+        out.append({"name": "rows 1-2, TP16, q 1, ctx 4K: time over HBM floor", "target": "<= 1.25x",
+                    "value": round(worst, 3), "met": worst <= 1.25})
+    big = pick(tp=8, rows=64, q=1)
+    if big and all(r["speedup_vs_graphed"] for r in big):
+        worst = min(r["speedup_vs_graphed"] for r in big)
+        out.append({"name": "rows 64, TP8: specialized vs graphed standard", "target": ">= 1.4x",
+                    "value": round(worst, 3), "met": worst >= 1.4})
+    for tp in (16, 8):
+        one, verify = pick(tp=tp, rows=1, q=1), pick(tp=tp, rows=8, q=8)
+        if one and verify:
+            ratio = verify[0]["time_us"] / one[0]["time_us"]
+            out.append({"name": f"TP{tp} verify q 8 (one request) over q 1 rows 1", "target": "<= 1.5x",
+                        "value": round(ratio, 3), "met": ratio <= 1.5})
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--out", required=True, help="folder for decode_bench.json and decode_bench.md")
+    ap.add_argument("--tp", type=int, nargs="+", default=[16, 8])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--q", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
+    ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--parity-steps", type=int, default=16)
+    ap.add_argument("--no-graphed-standard", action="store_true", help="skip the TorchOps graphed baseline")
+    ap.add_argument("--quick", action="store_true", help="TP16 rows 1, 2, 8 (q 1) and one q 8 request, ctx 4K")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.tp, args.rows, args.q, args.contexts = [16], [1, 2, 8], [1, 8], [4096]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    print("per-rank compute on one GPU; collectives not timed; 12-layer block, 93-layer figures scaled x93/12",
+          file=sys.stderr)
+    copy_bw = copy_bandwidth_TBps()
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    results: list[dict] = []
+    for tp in args.tp:
+        t0 = time.perf_counter()
+        model = k3_block(tp)
+        print(f"[decode_latency] TP{tp} block built in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        n_mla = len(model.cfg.full_attn_layers)
+        for ctx in args.contexts:
+            # three states (specialized, graphed standard, eager standard) hold the MLA cache each
+            keys = sorted({(r, q) for r in args.rows for q in args.q if r % q == 0
+                           and 3 * (r // q) * (ctx + 8) * 576 * 2 * n_mla <= CACHE_BUDGET})
+            skipped = sorted({(r, q) for r in args.rows for q in args.q if r % q == 0} - set(keys))
+            if skipped:
+                print(f"[decode_latency] ctx {ctx}: skipping (rows, q) {skipped}: their caches exceed "
+                      f"{CACHE_BUDGET / 1e9:.0f} GB", file=sys.stderr)
+            if not keys:
+                continue
+            results += run_context(model, tp, keys, ctx, args, copy_bw, gen)
+        del model
+        torch.cuda.empty_cache()
+    targets = targets_of([r for r in results if "time_us" in r])
+    cmd = "python -m vllm.models.kimi_k3.nvidia.benchmarks.decode_latency " + " ".join(sys.argv[1:])
+    write_record(out / "decode_bench.json", "decode-bench", "executor", cmd, SOURCES, results, targets,
+                 copy_bandwidth_TBps=copy_bw,
+                 extra={"scope": "per-rank compute on one GPU, collectives not timed (SingleRank identity); one "
+                                 "AttnRes block of 12 layers (K3 pattern, 896 bf16 experts); 93-layer figures are "
+                                 "the 12-layer time x 93/12"})
+    (out / "decode_bench.md").write_text(markdown(results, targets, copy_bw))
+    print(markdown(results, targets, copy_bw))
+    return 0 if all(r["status"] == "pass" for r in results) else 1
+
+
+def run_context(model: ReferenceModel, tp: int, keys: list[tuple[int, int]], ctx: int, args, copy_bw: float,
+                gen: torch.Generator) -> list[dict]:
+    max_req, max_q = max(r // q for r, q in keys), max(q for _, q in keys)
+    max_len = ctx + (args.parity_steps + 1) * max_q  # parity runs that many steps past the context
+    executors = {"specialized": SpecializedDecode(model, max_requests=max_req, max_len=max_len, buckets=keys,
+                                                  ops=KernelOps())}
+    spec = executors["specialized"]
+    bad = sorted({op for key in keys for op, impl in spec.kernels[key] if impl != "cute" and op not in GLUE})
+    if bad:
+        raise RuntimeError(f"ops outside the kernel table in the specialized graphs: {bad}")
+    if not args.no_graphed_standard:
+        from ..latency_specialized.torch_ops import TorchOps
+        executors["standard_graphed"] = SpecializedDecode(model, max_requests=max_req, max_len=max_len,
+                                                          buckets=keys, ops=TorchOps())
+    std_state = model.new_state(max_requests=max_req, max_len=max_len, max_q=max_q)
+    results = []
+    for rows, q in keys:
+        for r in run_point(model, executors, std_state, tp, rows, q, ctx, args.reps, args.parity_steps, copy_bw,
+                           gen):
+            results.append(r)
+            g = r["baseline_us"].get("standard_graphed")
+            print(f"TP{tp:<3} rows {rows:>3} q {q} ctx {ctx:>6}: spec {r['time_us']:9.1f} us  eager "
+                  f"{r['baseline_us']['standard_eager']:9.1f}  graphed {g if g is None else round(g, 1)}  "
+                  f"floor {r['floor_us']:8.1f} ({r['x_floor']:.2f}x)  parity "
+                  f"{r['parity']['specialized']['rel_err_median']:.1e} {r['status']}", file=sys.stderr, flush=True)
+    results.append({"name": f"tp{tp} ctx{ctx} build", "status": "pass",
+                    "build": {k: {"seconds": round(e.report.seconds, 1),
+                                  "graph_MiB": round(e.report.graph_bytes / 2**20, 1)} for k, e in executors.items()},
+                    "launches_per_step": {f"{r},{q}": spec.launches((r, q)) for r, q in keys[:1]}})
+    del executors, std_state
+    torch.cuda.empty_cache()
+    return results
+
+
+def markdown(results: list[dict], targets: list[dict], copy_bw: float) -> str:
+    lines = ["Per-rank compute on one H200, collectives not timed; one 12-layer AttnRes block of K3 "
+             f"(93-layer = x93/12); copy bandwidth {copy_bw:.2f} TB/s.", "",
+             "| TP | rows | q | ctx | specialized µs | graphed std µs | eager std µs | floor µs | x floor | "
+             "vs graphed | vs eager | parity rel err (median) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        if "time_us" not in r:
+            continue
+        g = r["baseline_us"].get("standard_graphed")
+        vs_g = f"{r['speedup_vs_graphed']:.2f}x" if r["speedup_vs_graphed"] else "—"
+        lines.append(f"| {r['tp']} | {r['rows']} | {r['q']} | {r['context']} | {r['time_us']:.1f} | "
+                     f"{'—' if g is None else f'{g:.1f}'} | {r['baseline_us']['standard_eager']:.1f} | "
+                     f"{r['floor_us']:.1f} | {r['x_floor']:.2f} | {vs_g} | {r['speedup_vs_eager']:.2f}x | "
+                     f"{r['parity']['specialized']['rel_err_median']:.1e} |")
+    lines += ["", "| target | wanted | measured | met |", "| --- | --- | --- | --- |"]
+    lines += [f"| {t['name']} | {t['target']} | {t['value']} | {'yes' if t['met'] else 'no'} |" for t in targets]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
