@@ -201,7 +201,7 @@ class SpecializedDecode:
                 self.graph[key] = graph
             self.kernels[key], self.routed[key] = list(self.ops.trace), list(self.ops.routed)
             self.log(f"[executor] bucket {n}/{len(self.buckets)} (rows {rows}, q {q}): "
-                     f"{len(self.kernels[key])} ops x {self.cfg.num_hidden_layers} layers' worth in "
+                     f"{len(self.kernels[key])} ops over {self.cfg.num_hidden_layers} layers, "
                      f"{time.perf_counter() - tb:.1f} s")
         graph_bytes = torch.cuda.memory_allocated(device) - before if self.graphs else 0
         report = BuildReport(self.buckets, time.perf_counter() - t0, graph_bytes, self.graphs)
