@@ -4,6 +4,7 @@
     torchrun --nproc-per-node 4 -m vllm.models.kimi_k3.nvidia.latency_specialized generate --tp 4 ...
     k3-decode scope [--gpu GB300 --tp 16 --max-model-len 262144 --spec dspark:7]
     k3-decode eval [--config tiny --tasks ... --lengths ...]   (long-context evals, both paths)
+    k3-decode bench --out DIR [--quick] ...                       (decode-latency benchmark, GPU)
 """
 
 from __future__ import annotations
@@ -111,12 +112,23 @@ def main(argv: list[str] | None = None) -> int:
     _add_generate(sub)
     scope_cli.add_parser(sub)
     eval_cli.add_parser(sub)
-    args = ap.parse_args(argv)
+    sub.add_parser("bench", add_help=False,
+                   help="decode-latency benchmark on a GPU (benchmarks/decode_latency.py; --help for its flags)")
+    args, rest = ap.parse_known_args(argv)
+    if rest and args.cmd != "bench":
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         if args.cmd == "generate":
             return _generate(args)
         if args.cmd == "eval":
             return eval_cli.run(args)
+        if args.cmd == "bench":
+            if not torch.cuda.is_available():
+                print("error: k3-decode bench times CuTe DSL kernels and needs a CUDA GPU; none is visible",
+                      file=sys.stderr)
+                return 2
+            from ..benchmarks import decode_latency
+            return decode_latency.main(rest)
         return scope_cli.run(args)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
