@@ -190,7 +190,15 @@ def run_point(model, executors: dict, std_state, tp: int, rows: int, q: int, con
             copy_state(ex.state, spec.state)
     copy_state(std_state, spec.state)
     base = {"tp": tp, "rows": rows, "q": q, "context": context, "requests": requests}
-    par = {name: parity(model, ex, std_state, slots, q, parity_steps, gen) for name, ex in executors.items()}
+    par = {}
+    for name, ex in list(executors.items()):
+        try:
+            par[name] = parity(model, ex, std_state, slots, q, parity_steps, gen)
+        except Exception as e:  # noqa: BLE001 - only the baseline may be dropped, and it is said so
+            if ex is spec:
+                raise
+            print(f"[decode_latency] {name} dropped: {type(e).__name__}: {e}", file=sys.stderr)
+            del executors[name]
     for ex in executors.values():  # parity advanced every state; restart all from the same one
         _rollback_to(ex.state, slots, context)
     _rollback_to(std_state, slots, context)
