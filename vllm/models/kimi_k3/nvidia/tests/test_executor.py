@@ -143,3 +143,22 @@ def test_engine_on_the_executor_state_matches_the_standard_engine(model):
     got, want = spec.generate(reqs), std.generate(reqs)
     assert [c.output_ids for c in got] == [c.output_ids for c in want]
     assert spec.stats.paths.get("specialized", 0) == 11 and not any(ex.state.in_use)
+
+
+def test_compared_ops_trace_a_difference_to_its_op(model):
+    """`ComparedOps` (the GPU triage tool) reports zero for equal tables and names a broken op."""
+    from vllm.models.kimi_k3.nvidia.latency_specialized.op_parity import ComparedOps
+
+    class BrokenNorm(ReferenceOps):
+        def rms_norm(self, x, w, eps):
+            return super().rms_norm(x, w, eps) * 1.01
+
+    for test, broken in ((ReferenceOps(), set()), (BrokenNorm(), {"rms_norm"})):
+        ops = ComparedOps(test, ReferenceOps())
+        ex = SpecializedDecode(model, max_requests=2, max_len=32, buckets=[(2, 1)], ops=ops, graphs=False,
+                               log=lambda _: None)
+        slots = _prefill(model, ex.state, [[1, 2, 3], [4, 5]])
+        ops.report.clear()
+        ex(torch.tensor([6, 7]), [ex.state.segment(r, j, 1, prefill=False) for j, r in enumerate(slots)], ex.state)
+        off = {op for op, _, err in ops.report if (err != 1.0 if op == "route.ids_equal" else err > 0)}
+        assert off == broken, ops.report
