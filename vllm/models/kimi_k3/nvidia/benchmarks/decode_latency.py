@@ -56,20 +56,30 @@ SOURCES = ("vllm/models/kimi_k3/nvidia/latency_specialized/executor.py",
            *(f"vllm/models/kimi_k3/nvidia/kernels/{k}.py" for k in (
                "attn_res", "embedding", "kda_decode", "mla_cache_write", "mla_decode", "mla_combine", "moe_combine",
                "moe_experts", "moe_router", "rms_norm", "skinny_gemm")))
-# parity thresholds (logits of this rank's vocab shard, specialized vs standard eager, per step):
-# the two paths round at the same points but sum in different orders (split-K, split-KV, fp32
-# trees), ~1e-3 relative per layer; a near-tied top-16 router choice can flip an expert, which
-# moves that row by O(1e-1), so the bounds are on the median step and on greedy agreement.
-PARITY_MEDIAN_REL = 3e-2
-CACHE_BUDGET = 30e9  # bytes of MLA cache the three states of one context may hold
-PARITY_TOP1 = 0.9
+# Parity. With random weights, K3's router (top-16 of 896, sigmoid scores within ~0.03 of each
+# other around the 16th place) flips experts on perturbations of bf16 size: measured on CPU, 1e-3
+# relative noise on every GEMM output moves one step's logits by 0.28 (top-1 agreement 0.5) on the
+# MoE block and by 0.009 (top-1 1.0) with dense MLPs instead. So logits are judged three ways:
+# - the MoE block: against the graphed torch table, which computes the same function as the
+#   eager reference with other summation orders: the specialized path may differ from the eager
+#   standard path by at most PARITY_VS_BASELINE x the baseline's own difference, plus 0.02;
+# - per op (latency_specialized/op_parity.py, tests/test_executor_cuda.py): the kernels against
+#   the reference on identical inputs, each below PARITY_OP_REL;
+# - the dense-MLP block (tests/test_executor_cuda.py): whole-step logits and multi-step drift
+#   with the absolute bounds below.
+PARITY_MEDIAN_REL = 2e-2
+PARITY_TOP1 = 0.95
+PARITY_VS_BASELINE = 1.5
+PARITY_OP_REL = 5e-3
 
 
 def k3_block(tp: int, seed: int = 0, device: str = "cuda", layers: int = BLOCK_LAYERS,
-             experts: int | None = None) -> ReferenceModel:
-    """Rank 0 of a TP shard of K3's first `layers` layers (K3's pattern), random weights on the GPU."""
+             experts: int | None = None, dense: bool = False) -> ReferenceModel:
+    """Rank 0 of a TP shard of K3's first `layers` layers (K3's pattern), random weights on the GPU.
+    `dense`: every layer gets K3's dense SiTU MLP instead of the latent MoE (see PARITY_*)."""
     k3 = preset("k3")
-    cfg = k3.replace(num_hidden_layers=layers, name=f"k3-{layers}L",
+    cfg = k3.replace(num_hidden_layers=layers, name=f"k3-{layers}L{'-dense' if dense else ''}",
+                     first_k_dense_replace=layers if dense else k3.first_k_dense_replace,
                      kda_layers=tuple(i for i in k3.kda_layers if i <= layers),
                      full_attn_layers=tuple(i for i in k3.full_attn_layers if i <= layers),
                      **({"num_experts": experts} if experts else {}))
@@ -225,10 +235,21 @@ def run_point(model, executors: dict, std_state, tp: int, rows: int, q: int, con
            "tokens_per_s_per_request": q / (t_spec * 1e-3 * FULL_LAYERS / BLOCK_LAYERS),
            "tokens_per_s_per_gpu": rows / (t_spec * 1e-3 * FULL_LAYERS / BLOCK_LAYERS),
            "step_93_layers_est_us": t_spec * 1e3 * FULL_LAYERS / BLOCK_LAYERS, "parity": par}
-    ok = all(p["rel_err_median"] < PARITY_MEDIAN_REL and p["top1_agreement"] >= PARITY_TOP1 for p in par.values())
-    res["status"] = "pass" if ok else "fail"
+    res["status"] = parity_status(par)
     out.append(res)
     return out
+
+
+def parity_status(par: dict[str, dict]) -> str:
+    """pass when the specialized path is no further from the eager standard path than the graphed
+    torch table is (times PARITY_VS_BASELINE, plus 0.02); without that baseline, by the absolute bounds."""
+    spec, base = par["specialized"], par.get("standard_graphed")
+    if base is None:
+        ok = spec["rel_err_median"] < PARITY_MEDIAN_REL and spec["top1_agreement"] >= PARITY_TOP1
+    else:
+        ok = (spec["rel_err_median"] <= PARITY_VS_BASELINE * base["rel_err_median"] + 0.02
+              and spec["top1_agreement"] >= base["top1_agreement"] / PARITY_VS_BASELINE - 0.02)
+    return "pass" if ok else "fail"
 
 
 def _rollback_to(state, slots: list[int], context: int) -> None:
@@ -266,7 +287,8 @@ def targets_of(results: list[dict]) -> list[dict]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--out", required=True, help="folder for decode_bench.json and decode_bench.md")
+    ap.add_argument("--out", required=True, help="folder for NAME.json and NAME.md")
+    ap.add_argument("--name", default="decode_bench", help="file stem of the record and table (default decode_bench)")
     ap.add_argument("--tp", type=int, nargs="+", default=[16, 8])
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--q", type=int, nargs="+", default=[1, 8])
@@ -305,12 +327,12 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
     targets = targets_of([r for r in results if "time_us" in r])
     cmd = "python -m vllm.models.kimi_k3.nvidia.benchmarks.decode_latency " + " ".join(sys.argv[1:])
-    write_record(out / "decode_bench.json", "decode-bench", "executor", cmd, SOURCES, results, targets,
+    write_record(out / f"{args.name}.json", "decode-bench", "executor", cmd, SOURCES, results, targets,
                  copy_bandwidth_TBps=copy_bw,
                  extra={"scope": "per-rank compute on one GPU, collectives not timed (SingleRank identity); one "
                                  "AttnRes block of 12 layers (K3 pattern, 896 bf16 experts); 93-layer figures are "
                                  "the 12-layer time x 93/12"})
-    (out / "decode_bench.md").write_text(markdown(results, targets, copy_bw))
+    (out / f"{args.name}.md").write_text(markdown(results, targets, copy_bw))
     print(markdown(results, targets, copy_bw))
     return 0 if all(r["status"] == "pass" for r in results) else 1
 
