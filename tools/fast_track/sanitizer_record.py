@@ -22,14 +22,16 @@ from typing import Any
 from .records import record_head, write_json
 
 DEFAULT_TOOLS = ("racecheck", "synccheck")
-_SUMMARY = re.compile(r"ERROR SUMMARY:\s*(\d+)\s+error")
+# memcheck/synccheck end with "ERROR SUMMARY: N errors"; racecheck with
+# "RACECHECK SUMMARY: H hazards displayed (N errors, W warnings)"
+_SUMMARY = re.compile(r"ERROR SUMMARY:\s*(\d+)\s+error|RACECHECK SUMMARY:\s*\d+\s+hazards? displayed\s*\((\d+)\s+error")
 
 
 def run_tool(tool: str, command: list[str], timeout_s: int) -> dict[str, Any]:
     out = subprocess.run(["compute-sanitizer", "--tool", tool, "--error-exitcode", "1", *command],
                          capture_output=True, text=True, timeout=timeout_s)
     text = out.stdout + out.stderr
-    counts = [int(n) for n in _SUMMARY.findall(text)]
+    counts = [int(a or b) for a, b in _SUMMARY.findall(text)]
     errors = sum(counts) if counts else None
     status = "pass" if out.returncode == 0 and errors == 0 else "fail"
     return {"name": tool, "status": status, "errors": errors, "exit_code": out.returncode,

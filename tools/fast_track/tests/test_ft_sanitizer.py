@@ -52,12 +52,13 @@ def test_no_synchronisation_needs_no_record(repo):
 
 def test_record_sanitizer_runs_each_tool_and_the_item_accepts_the_record(repo, tmp_path,
                                                                          monkeypatch, capsys):
-    # a stand-in compute-sanitizer: reports a clean run of racecheck, one race under synccheck
+    # a stand-in compute-sanitizer: a clean racecheck (in racecheck's own summary format, as
+    # compute-sanitizer 2025+ prints it), one error under synccheck
     fake = tmp_path / "bin" / "compute-sanitizer"
     fake.parent.mkdir()
     fake.write_text('#!/bin/sh\nshift; tool="$1"; shift 3\n"$@" || exit $?\n'
                     'if [ "$tool" = synccheck ]; then echo "========= ERROR SUMMARY: 1 error"; '
-                    'exit 1; fi\necho "========= ERROR SUMMARY: 0 errors"\n')
+                    'exit 1; fi\necho "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"\n')
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
     monkeypatch.chdir(repo.root)

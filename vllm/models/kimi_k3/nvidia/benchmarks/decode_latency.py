@@ -71,6 +71,7 @@ PARITY_MEDIAN_REL = 2e-2
 PARITY_TOP1 = 0.95
 PARITY_VS_BASELINE = 1.5
 PARITY_OP_REL = 5e-3
+CACHE_BUDGET = 30e9  # bytes of MLA cache the three states of one context may hold
 
 
 def k3_block(tp: int, seed: int = 0, device: str = "cuda", layers: int = BLOCK_LAYERS,

@@ -23,6 +23,7 @@ from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedD
 from vllm.models.kimi_k3.nvidia.latency_specialized.op_parity import ComparedOps
 
 BUCKETS = [(1, 1), (4, 1), (8, 8)]
+MAX_LEN = 1000 + 48 * 8 + 8  # the longest parity run: 48 verify steps of 8 tokens after a 1000-token context
 RESULTS: list[dict] = []
 
 
@@ -45,7 +46,7 @@ def moe_block():
 @pytest.fixture(scope="module")
 def dense():
     model = k3_block(16, dense=True)
-    return model, SpecializedDecode(model, max_requests=4, max_len=1200, buckets=BUCKETS, ops=KernelOps())
+    return model, SpecializedDecode(model, max_requests=4, max_len=MAX_LEN, buckets=BUCKETS, ops=KernelOps())
 
 
 def _fresh(ex, requests, context, seed):
@@ -90,7 +91,7 @@ def test_every_kernel_matches_its_reference_op_in_a_step(moe_block, rows, q):
 def test_replays_match_the_standard_path(dense, rows, q):
     model, ex = dense
     slots = _fresh(ex, rows // q, 1000, rows * 10 + q)
-    std = model.new_state(max_requests=4, max_len=1200, max_q=ex.state.max_q)
+    std = model.new_state(max_requests=4, max_len=MAX_LEN, max_q=ex.state.max_q)
     p = parity(model, ex, std, slots, q, 48, torch.Generator(device="cuda").manual_seed(3))
     ok = p["rel_err_median"] < PARITY_MEDIAN_REL and p["top1_agreement"] >= PARITY_TOP1
     ok = ok and p["rel_err_last_quarter"] < 3 * max(p["rel_err_first_quarter"], 1e-3)
@@ -102,7 +103,7 @@ def test_replays_match_the_standard_path(dense, rows, q):
 def test_graph_replay_equals_an_eager_run_bit_for_bit(dense):
     model, ex = dense
     slots = _fresh(ex, 4, 300, 5)
-    saved = model.new_state(max_requests=4, max_len=1200, max_q=ex.state.max_q)
+    saved = model.new_state(max_requests=4, max_len=MAX_LEN, max_q=ex.state.max_q)
     copy_state(saved, ex.state)
     ids = torch.randint(0, model.w.lm_head.shape[0], (4,), device="cuda")
     graphed = ex(ids, [ex.state.segment(r, j, 1, prefill=False) for j, r in enumerate(slots)], ex.state).clone()
@@ -118,7 +119,7 @@ def test_steps_may_alternate_between_paths(dense):
     """Specialized and standard steps on one state track a standard-only run of the same inputs."""
     model, ex = dense
     slots = _fresh(ex, 2, 500, 7)
-    alone = model.new_state(max_requests=4, max_len=1200, max_q=ex.state.max_q)
+    alone = model.new_state(max_requests=4, max_len=MAX_LEN, max_q=ex.state.max_q)
     copy_state(alone, ex.state)
     ids = torch.randint(0, model.w.lm_head.shape[0], (2,), device="cuda")
     errs = []
