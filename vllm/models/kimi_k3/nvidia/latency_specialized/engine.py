@@ -70,6 +70,10 @@ class Engine:
             return "standard", self._standard
         route = self.dispatcher.route(facts)
         if route.path == "specialized" and self.specialized is not None:
+            launches = getattr(self.specialized, "launches", None)  # the executor lists its graph's kernels
+            counters = getattr(self.dispatcher, "counters", None)
+            if launches is not None and counters is not None and route.plan is not None:
+                counters.record_kernels(launches(route.plan))
             return "specialized", self.specialized
         return "standard", self._standard
 

@@ -162,3 +162,26 @@ def test_compared_ops_trace_a_difference_to_its_op(model):
         ex(torch.tensor([6, 7]), [ex.state.segment(r, j, 1, prefill=False) for j, r in enumerate(slots)], ex.state)
         off = {op for op, _, err in ops.report if (err != 1.0 if op == "route.ids_equal" else err > 0)}
         assert off == broken, ops.report
+
+
+def test_engine_counts_the_kernels_of_every_specialized_step(model):
+    """The path counters list, per specialized step, each op the replayed bucket runs."""
+    from vllm.models.kimi_k3.nvidia.latency_specialized.dispatch import SPECIALIZED, PathCounters, Route
+
+    ex = _executor(model)
+
+    class Admit:
+        counters = PathCounters()
+
+        def route(self, facts):
+            r = Route(SPECIALIZED, "test", "env", ex.plan(facts))
+            self.counters.record_route(r)
+            return r
+
+    d = Admit()
+    Engine(model, dispatcher=d, specialized=ex, state=ex.state, max_requests=4, max_len=96).generate(
+        [Request([1, 2, 3], SamplingParams(max_tokens=4))])
+    per_step = ex.launches((1, 1))
+    assert d.counters.steps[SPECIALIZED] == 3
+    assert d.counters.kernels["attn_res"] == 3 * per_step.count("attn_res") > 0
+    assert d.counters.kernels["kda_core"] == 3 * len(model.cfg.kda_layers)
