@@ -50,6 +50,17 @@ def mini_model(seed: int = 0, tp: int = 1, rank: int = 0, coll=None, decode_form
     return ReferenceModel(cfg, w, tp=tp, rank=rank, coll=coll, decode_forms_in_prefill=decode_forms_in_prefill)
 
 
+def prefill(model: ReferenceModel, state, prompts: list[list[int]]) -> list[int]:
+    """Allocate a request per prompt in `state` and prefill them all in one standard step; the slots."""
+    slots = [state.allocate() for _ in prompts]
+    segs, row = [], 0
+    for r, p in zip(slots, prompts):
+        segs.append(state.segment(r, row, len(p), prefill=True))
+        row += len(p)
+    model.forward(torch.tensor(sum(prompts, [])), segs, state)
+    return slots
+
+
 def run_steps(model: ReferenceModel, prompts: list[list[int]], steps: list[list[list[int]]],
               *, max_len: int = 256, max_q: int = 1, accept: list[list[int]] | None = None):
     """Prefill `prompts` in one step, then decode steps: steps[s][r] = token ids of request r.

@@ -5,7 +5,7 @@ import torch
 
 from vllm.models.kimi_k3.nvidia.latency_specialized.buckets import bucket_for, buckets_for, pad_to_bucket
 
-from ._util import mini_model
+from ._util import mini_model, prefill
 
 ROWS = [1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64]
 
@@ -28,12 +28,7 @@ def test_padded_step_equals_unpadded_step(q, bucket):
 
     def run(padded: bool):
         st = model.new_state(max_requests=3, max_len=64, max_q=q)
-        slots = [st.allocate() for _ in prompts]
-        segs, row = [], 0
-        for r, p in zip(slots, prompts):
-            segs.append(st.segment(r, row, len(p), prefill=True))
-            row += len(p)
-        model.forward(torch.tensor(sum(prompts, [])), segs, st)
+        slots = prefill(model, st, prompts)
         segs = [st.segment(r, j * q, q, prefill=False) for j, r in enumerate(slots)]
         ids = drafts
         if padded:

@@ -12,7 +12,7 @@ from vllm.models.kimi_k3.nvidia.latency_specialized.engine import Engine, Reques
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import ExecutorError, SpecializedDecode, StepMeta
 from vllm.models.kimi_k3.nvidia.latency_specialized.sampler import SamplingParams
 
-from ._util import mini_model
+from ._util import mini_model, prefill
 
 BUCKETS = [(1, 1), (2, 1), (4, 1), (8, 1), (8, 2), (16, 8)]
 
@@ -25,16 +25,6 @@ def model():
 def _executor(model, **kw):
     return SpecializedDecode(model, max_requests=4, max_len=96, buckets=BUCKETS, ops=ReferenceOps(), graphs=False,
                              log=lambda _: None, **kw)
-
-
-def _prefill(model, state, prompts):
-    slots = [state.allocate() for _ in prompts]
-    segs, row = [], 0
-    for r, p in zip(slots, prompts):
-        segs.append(state.segment(r, row, len(p), prefill=True))
-        row += len(p)
-    model.forward(torch.tensor(sum(prompts, [])), segs, state)
-    return slots
 
 
 def _same_state(a, b):
@@ -53,8 +43,8 @@ def test_step_equals_reference_bit_for_bit(model, n_req, q):
     ref = model.new_state(max_requests=4, max_len=96, max_q=ex.state.max_q)
     g = torch.Generator().manual_seed(n_req * 10 + q)
     prompts = [torch.randint(0, 260, (7 + 5 * j,), generator=g).tolist() for j in range(n_req)]
-    slots = _prefill(model, ex.state, prompts)
-    assert _prefill(model, ref, prompts) == slots
+    slots = prefill(model, ex.state, prompts)
+    assert prefill(model, ref, prompts) == slots
     for step in range(3):
         ids = torch.randint(0, 260, (n_req * q,), generator=g)
         segs_x = [ex.state.segment(r, j * q, q, prefill=False) for j, r in enumerate(slots)]
@@ -73,7 +63,7 @@ def test_step_equals_reference_bit_for_bit(model, n_req, q):
 def test_padding_rows_write_only_the_null_slot(model):
     """Three requests run in bucket 4: the padding request may write only slot 0 and block 0."""
     ex = _executor(model)
-    slots = _prefill(model, ex.state, [[5, 6, 7], [8, 9], [1, 2, 3, 4]])
+    slots = prefill(model, ex.state, [[5, 6, 7], [8, 9], [1, 2, 3, 4]])
     for st in ex.state.kda.values():  # poison the null slot: real rows must never read it
         st.rec[0].fill_(float("nan"))
         st.conv[0].fill_(float("nan"))
@@ -98,7 +88,7 @@ def test_padding_rows_write_only_the_null_slot(model):
 
 def test_every_op_is_recorded_and_only_glue_runs_outside_the_table(model):
     ex = _executor(model)
-    slots = _prefill(model, ex.state, [[1, 2, 3]])
+    slots = prefill(model, ex.state, [[1, 2, 3]])
     ex(torch.tensor([4]), [ex.state.segment(slots[0], 0, 1, prefill=False)], ex.state)
     trace = ex.kernels[(1, 1)]
     impls = {op: impl for op, impl in trace}
@@ -157,7 +147,7 @@ def test_compared_ops_trace_a_difference_to_its_op(model):
         ops = ComparedOps(test, ReferenceOps())
         ex = SpecializedDecode(model, max_requests=2, max_len=32, buckets=[(2, 1)], ops=ops, graphs=False,
                                log=lambda _: None)
-        slots = _prefill(model, ex.state, [[1, 2, 3], [4, 5]])
+        slots = prefill(model, ex.state, [[1, 2, 3], [4, 5]])
         ops.report.clear()
         ex(torch.tensor([6, 7]), [ex.state.segment(r, j, 1, prefill=False) for j, r in enumerate(slots)], ex.state)
         off = {op for op, _, err in ops.report if (err != 1.0 if op == "route.ids_equal" else err > 0)}

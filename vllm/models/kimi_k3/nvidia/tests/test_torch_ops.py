@@ -34,7 +34,7 @@ from vllm.models.kimi_k3.nvidia.reference.model import ReferenceModel
 from vllm.models.kimi_k3.nvidia.reference.params import KDAWeights, MoEWeights
 from vllm.models.kimi_k3.nvidia.reference.state import DecodeState
 
-from ._util import mini_model, rel_err
+from ._util import mini_model, prefill, rel_err
 
 BUCKETS = [(1, 1), (2, 1), (4, 1), (8, 1), (8, 2), (16, 8)]
 # one op: a handful of one-ulp bf16 flips among thousands of elements stays below 1e-3
@@ -61,16 +61,6 @@ def dense():
 def _executor(model, ops, graphs=False):
     return SpecializedDecode(model, max_requests=4, max_len=96, buckets=BUCKETS, ops=ops, graphs=graphs,
                              log=lambda _: None)
-
-
-def _prefill(model, state, prompts):
-    slots = [state.allocate() for _ in prompts]
-    segs, row = [], 0
-    for r, p in zip(slots, prompts):
-        segs.append(state.segment(r, row, len(p), prefill=True))
-        row += len(p)
-    model.forward(torch.tensor(sum(prompts, [])), segs, state)
-    return slots
 
 
 def _step(ex, slots, ids, q):
@@ -176,8 +166,8 @@ def _run_pair(model, n_req, qs, resync=False):
     ref, tor = _executor(model, ReferenceOps()), _executor(model, TorchOps())
     g = torch.Generator().manual_seed(10 * n_req + len(qs))
     prompts = [torch.randint(0, 260, (7 + 5 * j,), generator=g).tolist() for j in range(n_req)]
-    slots = _prefill(model, ref.state, prompts)
-    assert _prefill(model, tor.state, prompts) == slots
+    slots = prefill(model, ref.state, prompts)
+    assert prefill(model, tor.state, prompts) == slots
     out = []
     a, b = ref.state, tor.state
     for step, q in enumerate(qs):
@@ -227,8 +217,8 @@ def test_padding_and_masked_positions_never_reach_real_rows(dense):
     fixed-shape attention gathers and masks) must not reach real rows; only owned slots change."""
     ref, tor = _executor(dense, ReferenceOps()), _executor(dense, TorchOps())
     prompts = [[5, 6, 7], [8, 9], [1, 2, 3, 4]]
-    slots = _prefill(dense, ref.state, prompts)
-    _prefill(dense, tor.state, prompts)
+    slots = prefill(dense, ref.state, prompts)
+    prefill(dense, tor.state, prompts)
     for st in tor.state.kda.values():
         st.rec[0].fill_(NAN)
         st.conv[0].fill_(NAN)
@@ -284,8 +274,8 @@ def test_a_step_never_syncs_with_the_host(model, monkeypatch, n_req, q):
 
     tor, ref = guarded(_executor(model, TorchOps())), guarded(_executor(model, ReferenceOps()))
     prompts = [[1, 2, 3], [4, 5], [6, 7, 8, 9]][:n_req]
-    slots = _prefill(model, tor.state, prompts)
-    _prefill(model, ref.state, prompts)
+    slots = prefill(model, tor.state, prompts)
+    prefill(model, ref.state, prompts)
     ids = torch.arange(10, 10 + n_req * q)
     assert torch.isfinite(_step(tor, slots, ids, q)).all()
     with pytest.raises(AssertionError, match="host synchronisation"):  # the guard bites: the reference syncs
@@ -301,8 +291,8 @@ def test_captured_graphs_track_the_reference_on_cuda():
     ref, tor = _executor(model, ReferenceOps()), _executor(model, TorchOps(), graphs=True)
     assert set(tor.graph) == set(BUCKETS)
     prompts = [[5, 6, 7], [8, 9], [1, 2, 3, 4]]
-    slots = _prefill(model, ref.state, prompts)
-    _prefill(model, tor.state, prompts)
+    slots = prefill(model, ref.state, prompts)
+    prefill(model, tor.state, prompts)
     g = torch.Generator().manual_seed(3)
     for step, q in enumerate([1, 1, 2, 2, 1]):
         ids = torch.randint(0, 260, (3 * q,), generator=g)
