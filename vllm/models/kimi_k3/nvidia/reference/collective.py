@@ -65,18 +65,20 @@ class ThreadGroup(Collective):
     def __init__(self, exchange: _Exchange, rank: int):
         self._ex, self.tp, self.rank = exchange, exchange.tp, rank
 
-    def _exchange(self, x: torch.Tensor) -> list[torch.Tensor]:
+    def _exchange(self, x: torch.Tensor, combine: Callable[[list[torch.Tensor]], torch.Tensor]) -> torch.Tensor:
         self._ex.slots[self.rank] = x
         self._ex.barrier.wait()
-        parts = list(self._ex.slots)  # type: ignore[arg-type]
-        self._ex.barrier.wait()  # nobody overwrites a slot before all have read
-        return parts
+        out = combine(list(self._ex.slots))  # type: ignore[arg-type]
+        # nobody returns before all have combined: a rank may then reuse its input's memory (as
+        # NCCL's in-place all-reduce lets it), and a peer still reading it would sum new values
+        self._ex.barrier.wait()
+        return out
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return ordered_sum(self._exchange(x))
+        return self._exchange(x, ordered_sum)
 
     def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        return torch.cat(self._exchange(x), dim=dim)
+        return self._exchange(x, lambda parts: torch.cat(parts, dim=dim))
 
     @staticmethod
     def run(tp: int, fn: Callable[["ThreadGroup"], object]) -> list[object]:
