@@ -140,10 +140,13 @@ class RandomSource(TensorSource):
         s = self._shapes.get(name)
         return None if s is None else s[0]
 
-    def get(self, name: str, rows: Slice = None, cols: Slice = None) -> torch.Tensor:
+    def _spec(self, name: str) -> tuple[tuple[int, ...], torch.dtype]:
         if name not in self._shapes:
             raise WeightError(f"random checkpoint has no tensor {name}")
-        shape, dtype = self._shapes[name]
+        return self._shapes[name]
+
+    def get(self, name: str, rows: Slice = None, cols: Slice = None) -> torch.Tensor:
+        shape, dtype = self._spec(name)
         g = torch.Generator().manual_seed(_seed_of(self.seed, name))
         return _slice(_draw(_init_kind(name), shape, shape, g, "cpu"), rows, cols).to(dtype)
 
@@ -159,9 +162,7 @@ class ShardRandomSource(RandomSource):
         self.device = torch.device(device)
 
     def get(self, name: str, rows: Slice = None, cols: Slice = None) -> torch.Tensor:
-        if name not in self._shapes:
-            raise WeightError(f"random checkpoint has no tensor {name}")
-        shape, dtype = self._shapes[name]
+        shape, dtype = self._spec(name)
         out = list(shape)
         if rows:
             out[0] = rows[1] - rows[0]
