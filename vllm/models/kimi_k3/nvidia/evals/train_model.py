@@ -68,6 +68,15 @@ def _linear(x: torch.Tensor, w: torch.Tensor, out: torch.dtype = BF16) -> torch.
     return (xb.to(w.dtype) @ wb.to(w.dtype).t()).to(out).to(w.dtype)
 
 
+def _bmm_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [N, K] or [E, N, K] times each of E matrices w [E, M, K] transposed -> [E, N, M]; the
+    rounding of `_linear`, per expert."""
+    xb, wb = x.to(BF16), w.to(BF16)
+    if x.is_cuda:
+        return torch.matmul(xb, wb.transpose(-1, -2)).to(w.dtype)
+    return (xb.to(w.dtype) @ wb.to(w.dtype).transpose(-1, -2)).to(BF16).to(w.dtype)
+
+
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return _round(x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * _round(w))
 
@@ -89,29 +98,44 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_al
     (s < t); then o = (e^G ⊙ Q) S₀ᵀ + B Δ with B_ts the same sum for q_t (s ≤ t). Only
     exponentials of non-positive numbers are formed (the pairs s > t are masked before the
     exp), so no chunk length or gate can overflow.
+
+    Δ is linear in S₀: Δ = U − W S₀ᵀ with U = L⁻¹ diag(β) V and W = L⁻¹ diag(β)(e^G ⊙ K) (the
+    UT transform), so everything but the state hand-off is computed for all chunks at once and
+    the sequential loop is three small products per chunk. Training is launch-bound at this
+    model size, so that loop length is what sets the step time.
     """
     b, h, t, dk = q.shape
-    state = q.new_zeros(b, h, v.shape[-1], dk)
+    dv = v.shape[-1]
+    n = chunk
+    pad = -t % n  # zero tokens at the end: β = 0 and k = 0 leave every earlier output unchanged
+    if pad:
+        q, k, v, log_alpha = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v, log_alpha))
+        beta = F.pad(beta, (0, pad))
+    m = (t + pad) // n
+    qc, kc, vc, gc = (x.reshape(b, h, m, n, -1) for x in (q, k, v, log_alpha))
+    bc = beta.reshape(b, h, m, n, 1)
+    g = gc.cumsum(3)  # [B, h, M, C, d_k]
+    later = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
+    decay = torch.exp((g[..., :, None, :] - g[..., None, :, :])
+                      .masked_fill(later[:, :, None], -math.inf))  # [B, h, M, t, s, d_k]
+    k_decayed = decay * kc[..., None, :, :]
+    a = torch.einsum("bhmtc,bhmtsc->bhmts", kc, k_decayed).tril(-1)
+    bq = torch.einsum("bhmtc,bhmtsc->bhmts", qc, k_decayed)
+    gamma = torch.exp(g)
+    lower = torch.eye(n, dtype=q.dtype, device=q.device) + bc * a
+    uw = torch.linalg.solve_triangular(lower, bc * torch.cat([vc, kc * gamma], -1), upper=False,
+                                       unitriangular=True)
+    u, w = uw.split([dv, dk], -1)
+    q_decayed = qc * gamma
+    to_end = kc * torch.exp(g[..., -1:, :] - g)
+    gamma_last = gamma[..., -1, :]  # [B, h, M, d_k]
+    state = q.new_zeros(b, h, dv, dk)
     outs = []
-    for c0 in range(0, t, chunk):
-        sl = slice(c0, min(c0 + chunk, t))
-        qc, kc, vc, bc = q[:, :, sl], k[:, :, sl], v[:, :, sl], beta[:, :, sl]
-        g = log_alpha[:, :, sl].cumsum(2)
-        n = qc.shape[2]
-        later = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
-        decay = torch.exp((g[:, :, :, None, :] - g[:, :, None, :, :])
-                          .masked_fill(later[:, :, None], -math.inf))  # [B, h, t, s, d_k]
-        k_decayed = decay * kc[:, :, None, :, :]
-        a = torch.einsum("bhtc,bhtsc->bhts", kc, k_decayed).tril(-1)
-        bq = torch.einsum("bhtc,bhtsc->bhts", qc, k_decayed)
-        gamma = torch.exp(g)
-        lower = torch.eye(n, dtype=q.dtype, device=q.device) + bc[..., None] * a
-        rhs = bc[..., None] * (vc - (kc * gamma) @ state.transpose(-1, -2))
-        delta = torch.linalg.solve_triangular(lower, rhs, upper=False, unitriangular=True)
-        outs.append((qc * gamma) @ state.transpose(-1, -2) + bq @ delta)
-        to_end = kc * torch.exp(g[:, :, -1:] - g)
-        state = state * gamma[:, :, -1][:, :, None, :] + delta.transpose(-1, -2) @ to_end
-    return torch.cat(outs, dim=2)
+    for c in range(m):
+        delta = u[:, :, c] - w[:, :, c] @ state.transpose(-1, -2)
+        outs.append(q_decayed[:, :, c] @ state.transpose(-1, -2) + bq[:, :, c] @ delta)
+        state = state * gamma_last[:, :, c, None, :] + delta.transpose(-1, -2) @ to_end[:, :, c]
+    return torch.cat(outs, dim=2)[:, :, :t]
 
 
 class TrainModel(nn.Module):
@@ -285,25 +309,16 @@ class TrainModel(nn.Module):
         rows = v.reshape(-1, shape[-1])
         weights, ids = self.route(b, rows)
         x_lat = _linear(rows, self.w(b + "routed_expert_down_proj.weight"))
-        k = ids.shape[1]
-        flat = ids.reshape(-1)
-        picked = []
-        order = []
-        for e in range(cfg.num_experts):
-            where = (flat == e).nonzero().squeeze(1)  # flat (row, slot) indices row·k + j
-            if where.numel() == 0:
-                continue
-            stem = f"{b}experts.{e}."
-            xe = x_lat[where // k]
-            hidden = _situ(_linear(xe, self.w(stem + "w1.weight")), _linear(xe, self.w(stem + "w3.weight")),
-                           *self._clips())
-            picked.append(_linear(hidden, self.w(stem + "w2.weight")))
-            order.append(where)
-        # put each expert's rows back at their (row, slot) place: a permutation, so a gather
-        inverse = torch.empty_like(flat)
-        inverse[torch.cat(order)] = torch.arange(flat.numel(), device=flat.device)
-        expert_out = torch.cat(picked)[inverse].view(rows.shape[0], k, -1)
-        y = _round((weights.unsqueeze(-1) * expert_out).sum(1))
+        # Every expert runs on every row and the selected outputs are gathered in selection
+        # order: at `tiny` size the extra FLOPs cost less than a launch per expert and a host
+        # sync per nonzero(), and an unselected expert's output is multiplied by nothing, so
+        # its gradient is exactly zero, as in the sparse form.
+        stack = [torch.stack([self.w(f"{b}experts.{e}.{n}.weight") for e in range(cfg.num_experts)])
+                 for n in ("w1", "w3", "w2")]  # [E, I, R], [E, I, R], [E, R, I]
+        hidden = _situ(_bmm_t(x_lat, stack[0]), _bmm_t(x_lat, stack[1]), *self._clips())  # [E, N, I]
+        expert_out = _bmm_t(hidden, stack[2])  # [E, N, R]
+        picked = expert_out.permute(1, 0, 2).gather(1, ids[..., None].expand(-1, -1, expert_out.shape[-1]))
+        y = _round((weights.unsqueeze(-1) * picked).sum(1))
         if cfg.latent_moe_use_norm:
             y = _rms_norm(y, self.w(b + "routed_expert_norm.weight"), cfg.rms_norm_eps)
         routed = _linear(y, self.w(b + "routed_expert_up_proj.weight"))

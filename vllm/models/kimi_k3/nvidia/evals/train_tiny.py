@@ -10,7 +10,7 @@ same GPU and software gives the same checkpoint up to those ops.
 | part | choice |
 | --- | --- |
 | model | `TrainModel`: the reference math in differentiable whole-sequence form |
-| data | mrcr / kv / arith mixed 2:2:1; lengths 512 → `--max-length` in equal stages (a curriculum); ~`--tokens-per-step` tokens a step |
+| data | mrcr / kv / arith mixed 2:2:1; lengths 512 → `--max-length` in stages with the shares of `STAGE_SHARES` (a curriculum); ~`--tokens-per-step` tokens a step, generated `--workers` processes ahead of the GPU |
 | loss | cross-entropy on answer tokens (final and practice queries), 0.1 × on every other token |
 | optimizer | AdamW (β 0.9/0.95, decay on matrices only), warm-up, cosine to 10 %, clipping at 1.0 |
 | precision | bf16 GEMMs at the reference's rounding points (train_model.py), fp32 masters |
@@ -29,10 +29,12 @@ import argparse
 import contextlib
 import json
 import math
+import multiprocessing
 import os
 import random
 import sys
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -48,6 +50,9 @@ from .train_model import TrainModel
 
 TOK = ByteTokenizer()
 CURRICULUM = (512, 1024, 2048, 4096, 8192)
+# shares of the run per curriculum stage (renormalized over the stages used): short contexts
+# teach the formats in many cheap steps, long ones the distances the evals ask for
+STAGE_SHARES = (0.35, 0.3, 0.2, 0.15, 0.1)
 
 
 @dataclass(frozen=True)
@@ -66,10 +71,11 @@ class TrainConfig:
     kda_chunk: int = 32
     log_every: int = 10
     max_seconds: float = 0.0  # 0: no limit
+    workers: int = 0  # data processes (0: built inline, between steps)
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.warmup < 0 or self.log_every < 1:
-            raise ValueError("steps must be >= 1, warmup >= 0 and log_every >= 1")
+        if self.steps < 1 or self.warmup < 0 or self.log_every < 1 or self.workers < 0:
+            raise ValueError("steps must be >= 1, warmup >= 0, log_every >= 1 and workers >= 0")
         if self.max_length < CURRICULUM[0]:
             raise ValueError(f"max_length must be at least {CURRICULUM[0]} tokens, found {self.max_length}")
         unknown = [t for t, _ in self.mix if t not in tasks.TASKS]
@@ -108,11 +114,15 @@ def save(model: TrainModel, out_dir: str | Path) -> Path:
 
 
 def length_at(step: int, tc: TrainConfig) -> int:
-    """The curriculum: equal shares of the run at 512, 1024, ... up to max_length."""
-    stages = [n for n in CURRICULUM if n <= tc.max_length]
-    if tc.max_length not in stages:
-        stages.append(tc.max_length)
-    return stages[min(len(stages) - 1, step * len(stages) // tc.steps)]
+    """The curriculum: 512, 1024, ... up to max_length, each for its share of the run."""
+    stages = [n for n in CURRICULUM if n < tc.max_length] + [tc.max_length]
+    shares = [STAGE_SHARES[min(i, len(STAGE_SHARES) - 1)] for i in range(len(stages))]
+    edge, where = 0.0, step / tc.steps * sum(shares)
+    for n, share in zip(stages, shares):
+        edge += share
+        if where < edge:
+            return n
+    return stages[-1]
 
 
 def sequence(sample: tasks.Sample, context_weight: float) -> tuple[list[int], list[float]]:
@@ -131,6 +141,13 @@ def sequence(sample: tasks.Sample, context_weight: float) -> tuple[list[int], li
 def batch(step: int, tc: TrainConfig, device: torch.device | str
           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
     """(ids [B, T], next-token targets [B, T], loss weights [B, T], context length) of one step."""
+    return to_tensors(*sequences(step, tc), device)
+
+
+def sequences(step: int, tc: TrainConfig) -> tuple[list[tuple[list[int], list[float]]], int]:
+    """The step's (ids, loss weights) per sequence, and its context length: plain Python, so a
+    data process can build it (a pure function of (seed, step): the run is the same with any
+    number of workers)."""
     length = length_at(step, tc)
     size = max(1, tc.tokens_per_step // length)
     rng = random.Random(f"k3-train:{tc.seed}:{step}")
@@ -141,6 +158,12 @@ def batch(step: int, tc: TrainConfig, device: torch.device | str
         task = rng.choices(names, weights)[0]
         s = tasks.make(task, length, seed=(tc.seed * 1_000_003 + step) * 1024 + i, practice=tc.practice)
         seqs.append(sequence(s, tc.context_weight))
+    return seqs, length
+
+
+def to_tensors(seqs: list[tuple[list[int], list[float]]], length: int, device: torch.device | str
+               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    size = len(seqs)
     width = max(len(ids) for ids, _ in seqs)
     ids = torch.full((size, width), TOK.PAD, dtype=torch.long)
     wts = torch.zeros(size, width)
@@ -174,7 +197,8 @@ def optimizer(model: TrainModel, tc: TrainConfig) -> torch.optim.AdamW:
     named = list(model.named_parameters())
     return torch.optim.AdamW([{"params": [p for n, p in named if decayed(n, p)], "weight_decay": tc.weight_decay},
                               {"params": [p for n, p in named if not decayed(n, p)], "weight_decay": 0.0}],
-                             lr=tc.lr, betas=(0.9, 0.95), eps=1e-8)
+                             lr=tc.lr, betas=(0.9, 0.95), eps=1e-8,
+                             fused=next(model.parameters()).is_cuda)
 
 
 @contextlib.contextmanager
@@ -215,35 +239,72 @@ def train(tc: TrainConfig, *, cfg: K3TextConfig = TINY, device: str = "cpu", log
         return _train(tc, cfg, device, log)
 
 
+class Batches:
+    """The run's batches in step order, built `tc.workers` processes ahead of the training loop
+    (the GPU step of the tiny model is shorter than building its 65 k tokens in Python)."""
+
+    def __init__(self, tc: TrainConfig, device: torch.device | str, start: int = 0):
+        self.tc, self.device, self.next = tc, device, start
+        # spawn: the workers import no CUDA state, whatever the parent has initialized
+        self.pool = (ProcessPoolExecutor(tc.workers, mp_context=multiprocessing.get_context("spawn"))
+                     if tc.workers else None)
+        self.pending = [self.pool.submit(sequences, s, tc) for s in range(start, min(tc.steps, start + 2 * tc.workers))
+                        ] if self.pool else []
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+        if self.next >= self.tc.steps:
+            raise StopIteration
+        step, self.next = self.next, self.next + 1
+        if self.pool is None:
+            return batch(step, self.tc, self.device)
+        ahead = step + len(self.pending)
+        if ahead < self.tc.steps:
+            self.pending.append(self.pool.submit(sequences, ahead, self.tc))
+        return to_tensors(*self.pending.pop(0).result(), self.device)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            for f in self.pending:
+                f.cancel()
+            self.pool.shutdown(wait=True, cancel_futures=True)
+
+
 def _train(tc: TrainConfig, cfg: K3TextConfig, device: str, log) -> tuple[TrainModel, dict]:
     model = TrainModel.from_source(cfg, RandomSource(cfg, seed=tc.seed), kda_chunk=tc.kda_chunk).to(device)
     opt = optimizer(model, tc)
     curve: dict = {"config": cfg.name, "train": asdict(tc),
                    "params": sum(p.numel() for p in model.parameters()), "steps": [], "stopped_early": False}
+    batches = Batches(tc, device)
     t0 = time.perf_counter()
-    for step in range(tc.steps):
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, tc)
-        ids, targets, weights, length = batch(step, tc, device)
-        logits = model(ids)
-        loss = weighted_loss(logits, targets, weights)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip))
-        opt.step()
-        elapsed = time.perf_counter() - t0
-        if step % tc.log_every == 0 or step == tc.steps - 1:
-            with torch.no_grad():
-                answer = weighted_loss(logits, targets, (weights >= 1.0).float())
-            row = {"step": step, "loss": loss.item(), "answer_loss": answer.item(), "lr": lr_at(step, tc),
-                   "grad_norm": grad_norm, "length": length, "batch": ids.shape[0], "seconds": round(elapsed, 2)}
-            curve["steps"].append(row)
-            if log:
-                log(row)
-        if tc.max_seconds and elapsed > tc.max_seconds:
-            curve["stopped_early"] = True
-            curve["stopped_at_step"] = step
-            break
+    try:
+        for step, (ids, targets, weights, length) in enumerate(batches):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(step, tc)
+            logits = model(ids)
+            loss = weighted_loss(logits, targets, weights)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip)  # no host sync
+            opt.step()
+            if step % tc.log_every == 0 or step == tc.steps - 1:
+                with torch.no_grad():
+                    answer = weighted_loss(logits, targets, (weights >= 1.0).float())
+                row = {"step": step, "loss": loss.item(), "answer_loss": answer.item(), "lr": lr_at(step, tc),
+                       "grad_norm": float(grad_norm), "length": length, "batch": ids.shape[0],
+                       "seconds": round(time.perf_counter() - t0, 2)}
+                curve["steps"].append(row)
+                if log:
+                    log(row)
+                # the time limit is checked where the loop syncs anyway
+                if tc.max_seconds and row["seconds"] > tc.max_seconds:
+                    curve["stopped_early"] = True
+                    curve["stopped_at_step"] = step
+                    break
+    finally:
+        batches.close()
     curve["train_seconds"] = round(time.perf_counter() - t0, 2)
     return model.eval(), curve
 
@@ -260,13 +321,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens-per-step", type=int, default=d.tokens_per_step)
     ap.add_argument("--max-length", type=int, default=d.max_length)
     ap.add_argument("--kda-chunk", type=int, default=d.kda_chunk)
+    ap.add_argument("--log-every", type=int, default=d.log_every)
+    ap.add_argument("--workers", type=int, default=None,
+                    help="processes building batches ahead of the GPU (default: up to 8 on cuda, 0 on cpu)")
     ap.add_argument("--max-seconds", type=float, default=480.0,
                     help="stop the loop after this many seconds and save (default 480, for a 10-minute call)")
     ap.add_argument("--eval-lengths", default="1024,4096", help="lengths of the final exact-match check")
     ap.add_argument("--eval-samples", type=int, default=16)
     args = ap.parse_args(argv)
     tc = TrainConfig(steps=args.steps, seed=args.seed, lr=args.lr, tokens_per_step=args.tokens_per_step,
-                     max_length=args.max_length, kda_chunk=args.kda_chunk, max_seconds=args.max_seconds)
+                     max_length=args.max_length, kda_chunk=args.kda_chunk, max_seconds=args.max_seconds,
+                     log_every=args.log_every,
+                     workers=args.workers if args.workers is not None else
+                     (min(8, max(0, (os.cpu_count() or 1) - 2)) if args.device == "cuda" else 0))
     lengths = tuple(int(x) for x in args.eval_lengths.split(",") if x)
     try:  # a bad eval length must fail now, not after the training run
         for n in lengths:

@@ -56,7 +56,7 @@ capturable once the shape has run one time outside the capture).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import cuda.bindings.driver as cuda
@@ -73,11 +73,7 @@ ROW = 576  # r_kv + d_r: one cache row, one q_lat row
 VEC = 8  # bf16 elements per 16-byte access
 ROW_VECS = ROW // VEC  # 72
 PITCH = ROW + VEC  # shared-memory row pitch: 1168 B, 16 mod 128, so 8 rows hit 8 bank groups
-CHUNK = 32  # tokens per pipeline stage
-WARPS = 4
-THREADS = 32 * WARPS
-WARP_COLS = LATENT // WARPS  # value columns per warp
-P_PITCH = CHUNK + VEC  # bf16 weight tile pitch: 80 B, 8 rows conflict-free for ldmatrix
+P_PAD = VEC  # bf16 weight tile pitch = chunk + 8: 80 B or 144 B, 16 mod 128, conflict-free ldmatrix
 MAX_REQUESTS = 64  # two per lane in the warp-wide schedule
 MAX_Q = 8
 MAX_HEADS = 128
@@ -93,17 +89,44 @@ class MlaDecodeEnvelopeError(ValueError):
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """Everything static about one compiled variant."""
+    """Everything static about one compiled variant, plus the split policy it runs with.
+
+    Compiled: `warps` per CTA, `chunk` tokens per pipeline stage (each warp scores chunk / warps
+    tokens, one or two n8 tiles, and owns 512 / warps value columns), `m_tiles` 16-row MMA tiles
+    of query rows per CTA, `stages` chunks in the cp.async ring. Split policy (runtime arguments,
+    not compiled): `waves` (work units aimed at = waves · SMs) and `min_chunks` per split."""
 
     heads: int
     max_q: int
     block_size: int
-    m_tiles: int  # 16-row MMA tiles per CTA (1 or 2)
-    stages: int  # chunks in the cp.async ring
+    m_tiles: int = 1  # 16-row MMA tiles per CTA (1..4)
+    stages: int = 2  # chunks in the cp.async ring
+    warps: int = 8  # 4 or 8
+    chunk: int = 64  # 32 or 64 tokens per stage
+    waves: int = 1
+    min_chunks: int = 2
 
     def __post_init__(self) -> None:
-        if self.m_tiles not in (1, 2) or not 2 <= self.stages <= 8:
-            raise ValueError(f"{self}: m_tiles must be 1 or 2 and stages 2..8")
+        if (self.warps not in (4, 8) or self.chunk not in (32, 64) or self.chunk % (8 * self.warps)
+                or not 1 <= self.m_tiles <= 4 or self.m_tiles * self.warp_cols > 256
+                or not 2 <= self.stages <= 8 or self.waves < 1 or self.min_chunks < 1):
+            raise ValueError(f"{self}: need warps 4 or 8, chunk 32 or 64 with 8·warps | chunk, m_tiles 1..4 with "
+                             "m_tiles · 512 / warps <= 256 (64 FP32 accumulators per 16 rows and 128 columns), "
+                             "stages 2..8, waves >= 1, min_chunks >= 1")
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps
+
+    @property
+    def warp_cols(self) -> int:
+        """Value columns each warp accumulates."""
+        return LATENT // self.warps
+
+    @property
+    def n_tiles(self) -> int:
+        """n8 token tiles each warp scores per chunk."""
+        return self.chunk // (8 * self.warps)
 
     @property
     def tile_rows(self) -> int:
@@ -116,26 +139,51 @@ class DecodePlan:
 
     @property
     def score_sets(self) -> int:
-        """Independent score accumulators per tile (K3's 36 k-atoms in 4 or 2 chains)."""
-        return 4 // self.m_tiles
+        """Independent accumulators per score tile (the 36 k-atoms in 4, 2 or 1 chains)."""
+        return max(1, 4 // (self.m_tiles * self.n_tiles))
+
+    @property
+    def p_pitch(self) -> int:
+        return self.chunk + P_PAD
+
+    @property
+    def kernel_key(self) -> tuple[int, ...]:
+        """What a compile depends on (the split policy is not compiled)."""
+        return (self.heads, self.max_q, self.block_size, self.m_tiles, self.stages, self.warps, self.chunk)
 
     @property
     def smem_bytes(self) -> int:
-        ring = 2 * self.stages * CHUNK * PITCH
+        ring = 2 * self.stages * self.chunk * PITCH
         q_tile = 2 * self.tile_rows * PITCH
-        weights = 2 * self.tile_rows * P_PITCH
-        stats = 2 * 4 * WARPS * self.tile_rows
+        weights = 2 * self.tile_rows * self.p_pitch
+        stats = 2 * 4 * self.warps * self.tile_rows
         return ring + q_tile + weights + stats + 4 * 128  # alignment slack
 
 
 def choose_plan(heads: int, max_q: int, block_size: int) -> DecodePlan:
-    """One 16-row tile when all query rows of a request fit (plain decode at TP8/TP16), else two;
-    the deepest ring that fits one CTA per SM (4 stages: 3 chunks, 110 KB, in flight)."""
-    m_tiles = 1 if heads * max_q <= 16 else 2
-    stages = 4
-    while DecodePlan(heads, max_q, block_size, m_tiles, stages).smem_bytes > SMEM_PER_CTA:
-        stages -= 1
-    return DecodePlan(heads, max_q, block_size, m_tiles, stages)
+    """The default: 8 warps streaming 64-token chunks through a 2-stage ring (150 KB: one 74 KB
+    chunk in flight while the other is computed), one CTA per SM; the 16-row tiles per CTA (1..4) that
+    cut a request's query rows into the fewest CTA tiles, then the least padding (12 rows: 1;
+    48: 3, one tile; 96: 3, two tiles of 48, so each cache row is read twice, not three times)."""
+    rows = heads * max_q
+    m_tiles = min(range(1, 5), key=lambda m: (-(-rows // (16 * m)), m * -(-rows // (16 * m))))
+    return DecodePlan(heads, max_q, block_size, m_tiles=m_tiles)
+
+
+def sweep_plans(heads: int, max_q: int, block_size: int) -> list[DecodePlan]:
+    """The default plan first, then the variants a benchmark compares with it."""
+    base = choose_plan(heads, max_q, block_size)
+    rows = heads * max_q
+    plans = [base]
+    for kw in ({"warps": 4, "chunk": 32, "stages": 4, "m_tiles": min(2, base.m_tiles), "waves": 4,
+                "min_chunks": 4},  # the superseded GPU-tested shape
+               {"warps": 4, "chunk": 64, "stages": 2, "m_tiles": min(2, base.m_tiles)},
+               {"waves": 2}, {"waves": 4, "min_chunks": 4}, {"min_chunks": 8},
+               {"m_tiles": min(4, -(-rows // 16))}, {"m_tiles": max(1, base.m_tiles - 1)}):
+        plan = replace(base, **kw)
+        if plan not in plans and plan.smem_bytes <= SMEM_PER_CTA:
+            plans.append(plan)
+    return plans
 
 
 # ---------------------------------------------------------------- the schedule (host and device)
@@ -145,7 +193,7 @@ def choose_plan(heads: int, max_q: int, block_size: int) -> DecodePlan:
 # `schedule`, the mirror the CPU tests check).
 
 
-def request_work(seq_len, row_start, row_end, r, requests, rows, cap, heads, max_q, tile_rows,
+def request_work(seq_len, row_start, row_end, r, requests, rows, cap, heads, max_q, tile_rows, chunk,
                  lo=cutlass.min, hi=cutlass.max):
     """(L, row0, q, chunks, tiles) of request r after clamping its metadata into bounds.
 
@@ -154,7 +202,7 @@ def request_work(seq_len, row_start, row_end, r, requests, rows, cap, heads, max
     length = lo(hi(seq_len, 0), live_cap)
     row0 = lo(hi(row_start, 0), rows)
     q = hi(lo(lo(row_end - row0, max_q), rows - row0), 0)
-    chunks = (length + CHUNK - 1) // CHUNK
+    chunks = (length + chunk - 1) // chunk
     tiles = (heads * q + tile_rows - 1) // tile_rows
     return length, row0, q, chunks, tiles
 
@@ -198,7 +246,7 @@ def schedule(seq_lens: list[int], query_start: list[int], rows: int, cap: int, p
     """The work units the kernel runs, in CTA order (the host mirror of `_locate`)."""
     requests = len(seq_lens)
     work = [request_work(seq_lens[r], query_start[r], query_start[r + 1], r, requests, rows, cap,
-                         plan.heads, plan.max_q, plan.tile_rows, min, max) for r in range(requests)]
+                         plan.heads, plan.max_q, plan.tile_rows, plan.chunk, min, max) for r in range(requests)]
     total = sum(w[3] * w[4] for w in work)
     cps = chunks_per_split(total, target, min_chunks, max)
     units, slot = [], 0
@@ -207,7 +255,7 @@ def schedule(seq_lens: list[int], query_start: list[int], rows: int, cap: int, p
         for s in range(splits):
             c0, c1 = split_range(chunks, splits, s, min, max)
             for t in range(tiles):
-                units.append(WorkUnit(slot, r, t, s, splits, c0, c1, min(c1 * CHUNK, length)))
+                units.append(WorkUnit(slot, r, t, s, splits, c0, c1, min(c1 * plan.chunk, length)))
                 slot += 1
     return units
 
@@ -248,7 +296,7 @@ def _locate(lens: cute.Tensor, starts: cute.Tensor, unit: Int32, lane: Int32, re
         r = lane + 32 * half
         rc = cutlass.min(r, requests - 1)
         vals.append(request_work(lens[rc], starts[rc], starts[rc + 1], r, requests, rows, cap,
-                                 plan.heads, plan.max_q, plan.tile_rows))
+                                 plan.heads, plan.max_q, plan.tile_rows, plan.chunk))
     total = _warp_sum(vals[0][3] * vals[0][4] + vals[1][3] * vals[1][4])
     cps = chunks_per_split(total, target, min_chunks)
     splits = [split_count(v[3], cps) for v in vals]
@@ -270,12 +318,12 @@ def _locate(lens: cute.Tensor, starts: cute.Tensor, unit: Int32, lane: Int32, re
 
 
 @cute.jit
-def _chunk_rows(phys: cute.Tensor, table: cute.Tensor, chunk: Int32, token_end: Int32, warp: Int32,
-                table_row: Int32, num_blocks: Int32, block_size: Constexpr):
-    """Cache rows (block · block_size + offset) of the warp's 8 tokens w + 4k of `chunk`; tokens
-    at or past token_end repeat the last one (their scores are masked)."""
-    for k in cutlass.range_constexpr(CHUNK // WARPS):
-        tok = cutlass.min(chunk * CHUNK + warp + WARPS * k, token_end - 1)
+def _chunk_rows(phys: cute.Tensor, table: cute.Tensor, chunk_idx: Int32, token_end: Int32, warp: Int32,
+                table_row: Int32, num_blocks: Int32, block_size: Constexpr, chunk: Constexpr, warps: Constexpr):
+    """Cache rows (block · block_size + offset) of the warp's chunk / warps tokens w + warps·k of
+    chunk `chunk_idx`; tokens at or past token_end repeat the last one (their scores are masked)."""
+    for k in cutlass.range_constexpr(chunk // warps):
+        tok = cutlass.min(chunk_idx * chunk + warp + warps * k, token_end - 1)
         page = tok // block_size
         block = cutlass.max(cutlass.min(table[table_row + page], num_blocks - 1), 0)
         phys[k] = block * block_size + (tok - page * block_size)
@@ -283,14 +331,14 @@ def _chunk_rows(phys: cute.Tensor, table: cute.Tensor, chunk: Int32, token_end: 
 
 @cute.jit
 def _issue_chunk(g2s: cute.CopyAtom, cache_base: Int64, phys: cute.Tensor, ring: cute.Tensor, stage: Int32,
-                 warp: Int32, lane: Int32):
-    """cp.async of the warp's 8 cache rows (72 16-byte vectors each) into ring stage `stage`."""
-    for k in cutlass.range_constexpr(CHUNK // WARPS):
+                 warp: Int32, lane: Int32, chunk: Constexpr, warps: Constexpr):
+    """cp.async of the warp's cache rows (72 16-byte vectors each) into ring stage `stage`."""
+    for k in cutlass.range_constexpr(chunk // warps):
         src = cute.make_tensor(
             cute.make_ptr(BFloat16, cache_base + Int64(phys[k]) * (2 * ROW), cute.AddressSpace.gmem,
                           assumed_align=16),
             cute.make_layout((VEC, ROW_VECS), stride=(1, VEC)))
-        row = warp + WARPS * k
+        row = warp + warps * k
         for v in cutlass.range_constexpr(2):
             cute.copy(g2s, src[None, lane + 32 * v], ring[None, stage, row, lane + 32 * v])
         if lane < ROW_VECS - 64:
@@ -336,7 +384,8 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
     g = lane // 4  # fragment row (and token of a B fragment)
     c = lane % 4  # fragment column pair
     heads, m, stages, sets = plan.heads, plan.m_tiles, plan.stages, plan.score_sets
-    tile_rows = plan.tile_rows
+    tile_rows, chunk, warps, threads = plan.tile_rows, plan.chunk, plan.warps, plan.threads
+    n_t, warp_cols, p_pitch = plan.n_tiles, plan.warp_cols, plan.p_pitch
     block_size = plan.block_size
 
     lens = cute.make_tensor(lens_ptr, cute.make_layout(requests))
@@ -361,23 +410,23 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
 
     if has_work:
         c0, c1 = split_range(chunks, splits, split)
-        token_end = cutlass.min(c1 * CHUNK, length)
+        token_end = cutlass.min(c1 * chunk, length)
         n_chunks = c1 - c0
 
         smem = cutlass.memory.SmemAllocator()
         ring = smem.allocate_tensor(
-            BFloat16, cute.make_layout((VEC, stages, CHUNK, PITCH // VEC),
-                                       stride=(1, CHUNK * PITCH, PITCH, VEC)), byte_alignment=128)
+            BFloat16, cute.make_layout((VEC, stages, chunk, PITCH // VEC),
+                                       stride=(1, chunk * PITCH, PITCH, VEC)), byte_alignment=128)
         q_tile = smem.allocate_tensor(
             BFloat16, cute.make_layout((VEC, tile_rows, PITCH // VEC), stride=(1, PITCH, VEC)), byte_alignment=128)
         p_vecs = smem.allocate_tensor(
-            BFloat16, cute.make_layout((VEC, tile_rows, P_PITCH // VEC), stride=(1, P_PITCH, VEC)),
+            BFloat16, cute.make_layout((VEC, tile_rows, p_pitch // VEC), stride=(1, p_pitch, VEC)),
             byte_alignment=128)
-        p_pairs = cute.make_tensor(p_vecs.iterator, cute.make_layout((2, tile_rows, P_PITCH // 2),
-                                                                     stride=(1, P_PITCH, 2)))
-        red_max = smem.allocate_tensor(Float32, cute.make_layout((WARPS, tile_rows), stride=(tile_rows, 1)),
+        p_pairs = cute.make_tensor(p_vecs.iterator, cute.make_layout((2, tile_rows, p_pitch // 2),
+                                                                     stride=(1, p_pitch, 2)))
+        red_max = smem.allocate_tensor(Float32, cute.make_layout((warps, tile_rows), stride=(tile_rows, 1)),
                                        byte_alignment=16)
-        red_sum = smem.allocate_tensor(Float32, cute.make_layout((WARPS, tile_rows), stride=(tile_rows, 1)),
+        red_sum = smem.allocate_tensor(Float32, cute.make_layout((warps, tile_rows), stride=(tile_rows, 1)),
                                        byte_alignment=16)
 
         g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
@@ -388,23 +437,24 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
 
         # the query tile (padding rows repeat the last real query; they are never stored)
         q_vecs = cute.make_tensor(q_ptr, cute.make_layout((VEC, rows * heads, ROW_VECS), stride=(1, ROW, VEC)))
-        for k in cutlass.range_constexpr(tile_rows * ROW_VECS // THREADS):
-            idx = tid + THREADS * k
-            row = idx // ROW_VECS
-            vec = idx - row * ROW_VECS
-            src_row = out_base + cutlass.min(row, valid_rows - 1)
-            cute.copy(g2s, q_vecs[None, src_row, vec], q_tile[None, row, vec])
+        for k in cutlass.range_constexpr(-(-tile_rows * ROW_VECS // threads)):
+            idx = tid + threads * k
+            if idx < tile_rows * ROW_VECS:
+                row = idx // ROW_VECS
+                vec = idx - row * ROW_VECS
+                src_row = out_base + cutlass.min(row, valid_rows - 1)
+                cute.copy(g2s, q_vecs[None, src_row, vec], q_tile[None, row, vec])
 
         cache_base = cache_ptr.toint()
         table_row = req * max_blocks
-        phys = cute.make_rmem_tensor(cute.make_layout(CHUNK // WARPS), Int32)
+        phys = cute.make_rmem_tensor(cute.make_layout(chunk // warps), Int32)
         for p in cutlass.range_constexpr(stages - 1):
             if p < n_chunks:
-                _chunk_rows(phys, table, c0 + p, token_end, warp, table_row, num_blocks, block_size)
-                _issue_chunk(g2s, cache_base, phys, ring, Int32(p), warp, lane)
+                _chunk_rows(phys, table, c0 + p, token_end, warp, table_row, num_blocks, block_size, chunk, warps)
+                _issue_chunk(g2s, cache_base, phys, ring, Int32(p), warp, lane, chunk, warps)
             cute.arch.cp_async_commit_group()  # one group per stage, empty or not: uniform waits
         _chunk_rows(phys, table, cutlass.min(c0 + stages - 1, c1 - 1), token_end, warp, table_row, num_blocks,
-                    block_size)
+                    block_size, chunk, warps)
 
         # per lane: rows 16·mt + 8·v1 + g of each tile; how far each may look (verify rows are causal)
         limit = cute.make_rmem_tensor(cute.make_layout((2, m)), Int32)
@@ -419,12 +469,13 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
         rescale = cute.make_rmem_tensor(cute.make_layout((2, m)), Float32)
         run_max.fill(-Float32.inf)
         run_sum.fill(0.0)
-        acc_o = cute.make_rmem_tensor(cute.make_layout((4, m, WARP_COLS // 8)), Float32)
+        acc_o = cute.make_rmem_tensor(cute.make_layout((4, m, warp_cols // 8)), Float32)
         acc_o.fill(0.0)
-        acc_s = cute.make_rmem_tensor(cute.make_layout((4, m, sets)), Float32)
-        score = cute.make_rmem_tensor(cute.make_layout((4, m)), Float32)
+        # score accumulators: (fragment, m tile) blocks, one per (token tile, chain)
+        acc_s = cute.make_rmem_tensor(cute.make_layout((4, m, n_t, sets)), Float32)
+        score = cute.make_rmem_tensor(cute.make_layout((4, m, n_t)), Float32)
         q_frag = cute.make_rmem_tensor(cute.make_layout((VEC, m)), BFloat16)
-        k_frag = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
+        k_frag = cute.make_rmem_tensor(cute.make_layout((VEC, n_t)), BFloat16)
         p_frag = cute.make_rmem_tensor(cute.make_layout((VEC, m)), BFloat16)
         v_frag = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)  # two n8 tiles
         p_pair = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
@@ -436,35 +487,42 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
             cute.arch.sync_threads()
             ahead = it + stages - 1
             if ahead < n_chunks:
-                _issue_chunk(g2s, cache_base, phys, ring, ahead % stages, warp, lane)
+                _issue_chunk(g2s, cache_base, phys, ring, ahead % stages, warp, lane, chunk, warps)
                 if ahead + 1 < n_chunks:
-                    _chunk_rows(phys, table, c0 + ahead + 1, token_end, warp, table_row, num_blocks, block_size)
+                    _chunk_rows(phys, table, c0 + ahead + 1, token_end, warp, table_row, num_blocks, block_size,
+                                chunk, warps)
             cute.arch.cp_async_commit_group()
             stage = it % stages
 
-            # scores of tokens 8w .. 8w+7: 18 blocks of 32 latent dims, two k16 atoms each
+            # scores of the warp's token tiles j = n_t·w + nt (tokens 8j .. 8j+7): 18 blocks of
+            # 32 latent dims, two k16 atoms each; a Q fragment serves every token tile
             acc_s.fill(0.0)
             for kb in cutlass.range_constexpr(ROW // 32):
-                cute.copy(ldsm, ring[None, stage, 8 * warp + lane % 8, 4 * kb + lane // 8], k_frag)
+                for nt in cutlass.range_constexpr(n_t):
+                    cute.copy(ldsm, ring[None, stage, 8 * (n_t * warp + nt) + lane % 8, 4 * kb + lane // 8],
+                              k_frag[None, nt])
                 for a2 in cutlass.range_constexpr(2):
                     atom = 2 * kb + a2
                     for mt in cutlass.range_constexpr(m):
                         cute.copy(ldsm, q_tile[None, 16 * mt + lane % 16, 2 * atom + lane // 16], q_frag[None, mt])
-                    _mma(mma, cute.make_tensor(acc_s.iterator + 4 * m * (atom % sets), cute.make_layout((4, m))),
-                         q_frag, cute.make_tensor(k_frag.iterator + 4 * a2, cute.make_layout(4)), m, 1)
+                    for nt in cutlass.range_constexpr(n_t):
+                        _mma(mma, cute.make_tensor(acc_s.iterator + 4 * m * (nt + n_t * (atom % sets)),
+                                                   cute.make_layout((4, m))),
+                             q_frag, cute.make_tensor(k_frag.iterator + VEC * nt + 4 * a2, cute.make_layout(4)), m, 1)
 
-            # online softmax: chunk max across the four warps, weights, chunk sum
-            token0 = (c0 + it) * CHUNK + 8 * warp + 2 * c
+            # online softmax: chunk max across the warps, weights, chunk sum
             for mt in cutlass.range_constexpr(m):
                 for v1 in cutlass.range_constexpr(2):
                     best = -Float32.inf
-                    for v0 in cutlass.range_constexpr(2):
-                        total = acc_s[v0 + 2 * v1, mt, 0]
-                        for st in cutlass.range_constexpr(1, sets):
-                            total += acc_s[v0 + 2 * v1, mt, st]
-                        s2 = cutlass.select_(token0 + v0 < limit[v1, mt], total * SCALE_LOG2, -Float32.inf)
-                        score[v0 + 2 * v1, mt] = s2
-                        best = cute.arch.fmax(best, s2)
+                    for nt in cutlass.range_constexpr(n_t):
+                        token0 = (c0 + it) * chunk + 8 * (n_t * warp + nt) + 2 * c
+                        for v0 in cutlass.range_constexpr(2):
+                            total = acc_s[v0 + 2 * v1, mt, nt, 0]
+                            for st in cutlass.range_constexpr(1, sets):
+                                total += acc_s[v0 + 2 * v1, mt, nt, st]
+                            s2 = cutlass.select_(token0 + v0 < limit[v1, mt], total * SCALE_LOG2, -Float32.inf)
+                            score[v0 + 2 * v1, mt, nt] = s2
+                            best = cute.arch.fmax(best, s2)
                     best = _quad_max(best)
                     if c == 0:
                         red_max[warp, 16 * mt + 8 * v1 + g] = best
@@ -473,7 +531,7 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
                 for v1 in cutlass.range_constexpr(2):
                     row = 16 * mt + 8 * v1 + g
                     chunk_max = red_max[0, row]
-                    for w in cutlass.range_constexpr(1, WARPS):
+                    for w in cutlass.range_constexpr(1, warps):
                         chunk_max = cute.arch.fmax(chunk_max, red_max[w, row])
                     new_max = cute.arch.fmax(run_max[v1, mt], chunk_max)
                     # a row with nothing visible yet keeps max −inf; exp2 against 0 then gives 0s
@@ -481,11 +539,12 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
                     rescale[v1, mt] = cute.math.exp2(run_max[v1, mt] - ref, fastmath=True)
                     run_max[v1, mt] = new_max
                     part = Float32(0.0)
-                    for v0 in cutlass.range_constexpr(2):
-                        p = cute.math.exp2(score[v0 + 2 * v1, mt] - ref, fastmath=True)
-                        part += p
-                        p_pair[v0] = p.to(BFloat16)
-                    cute.autovec_copy(p_pair, p_pairs[None, row, 4 * warp + c])
+                    for nt in cutlass.range_constexpr(n_t):
+                        for v0 in cutlass.range_constexpr(2):
+                            p = cute.math.exp2(score[v0 + 2 * v1, mt, nt] - ref, fastmath=True)
+                            part += p
+                            p_pair[v0] = p.to(BFloat16)
+                        cute.autovec_copy(p_pair, p_pairs[None, row, 4 * (n_t * warp + nt) + c])
                     part = _quad_sum(part)
                     if c == 0:
                         red_sum[warp, row] = part
@@ -494,27 +553,27 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
                 for v1 in cutlass.range_constexpr(2):
                     row = 16 * mt + 8 * v1 + g
                     chunk_sum = red_sum[0, row]
-                    for w in cutlass.range_constexpr(1, WARPS):
+                    for w in cutlass.range_constexpr(1, warps):
                         chunk_sum += red_sum[w, row]
                     run_sum[v1, mt] = run_sum[v1, mt] * rescale[v1, mt] + chunk_sum
-                    for nt in cutlass.range_constexpr(WARP_COLS // 8):
+                    for nt in cutlass.range_constexpr(warp_cols // 8):
                         for v0 in cutlass.range_constexpr(2):
                             acc_o[v0 + 2 * v1, mt, nt] = acc_o[v0 + 2 * v1, mt, nt] * rescale[v1, mt]
 
-            # O[:, 128w .. 128w+127] += P · V, V fragments transposed out of the same ring rows
-            for ka in cutlass.range_constexpr(CHUNK // 16):
+            # O[:, warp_cols·w ..] += P · V, V fragments transposed out of the same ring rows
+            for ka in cutlass.range_constexpr(chunk // 16):
                 for mt in cutlass.range_constexpr(m):
                     cute.copy(ldsm, p_vecs[None, 16 * mt + lane % 16, 2 * ka + lane // 16], p_frag[None, mt])
-                for pair in cutlass.range_constexpr(WARP_COLS // 16):
+                for pair in cutlass.range_constexpr(warp_cols // 16):
                     cute.copy(ldsm_t,
                               ring[None, stage, 16 * ka + lane % 8 + 8 * ((lane // 8) % 2),
-                                   WARP_COLS // VEC * warp + 2 * pair + lane // 16],
+                                   warp_cols // VEC * warp + 2 * pair + lane // 16],
                               v_frag)
                     _mma(mma, cute.make_tensor(acc_o.iterator + 8 * m * pair, cute.make_layout((4, m, 2))),
                          p_frag, v_frag, m, 2)
         cute.arch.cp_async_wait_group(0)
 
-        col0 = WARP_COLS * warp + 2 * c
+        col0 = warp_cols * warp + 2 * c
         if splits == 1:
             out_pairs = cute.make_tensor(out_ptr, cute.make_layout((2, rows * heads, LATENT // 2),
                                                                    stride=(1, LATENT, 2)))
@@ -525,7 +584,7 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
                     if row < valid_rows:
                         total = run_sum[v1, mt]
                         inv = cutlass.select_(total > 0.0, 1.0 / total, Float32(0.0))
-                        for nt in cutlass.range_constexpr(WARP_COLS // 8):
+                        for nt in cutlass.range_constexpr(warp_cols // 8):
                             for v0 in cutlass.range_constexpr(2):
                                 o_pair[v0] = (acc_o[v0 + 2 * v1, mt, nt] * inv).to(BFloat16)
                             cute.autovec_copy(o_pair, out_pairs[None, out_base + row, (col0 + 8 * nt) // 2])
@@ -538,7 +597,7 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
                 for v1 in cutlass.range_constexpr(2):
                     row = 16 * mt + 8 * v1 + g
                     if row < valid_rows:
-                        for nt in cutlass.range_constexpr(WARP_COLS // 8):
+                        for nt in cutlass.range_constexpr(warp_cols // 8):
                             for v0 in cutlass.range_constexpr(2):
                                 o_pair[v0] = acc_o[v0 + 2 * v1, mt, nt]
                             cute.autovec_copy(o_pair, ws_o[None, unit * tile_rows + row, (col0 + 8 * nt) // 2])
@@ -556,7 +615,7 @@ def _mla_decode_host(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cu
                      target: Int32, min_chunks: Int32, stream: cuda.CUstream, plan: Constexpr):
     _mla_decode_kernel(q_ptr, cache_ptr, table_ptr, lens_ptr, starts_ptr, out_ptr, ws_o_ptr, ws_ml_ptr, info_ptr,
                        rows, requests, num_blocks, max_blocks, slots, target, min_chunks, plan).launch(
-        grid=(slots, 1, 1), block=(THREADS, 1, 1), stream=stream)
+        grid=(slots, 1, 1), block=(plan.threads, 1, 1), stream=stream)
 
 
 
@@ -624,14 +683,15 @@ def check_envelope(q_lat: torch.Tensor, cache: torch.Tensor, block_table: torch.
           "(fresh allocations are)")
 
 
-def default_target(sm_count: int) -> int:
-    """Work units to aim for: four waves of one CTA per SM. One request gets up to that many
-    splits (a long one fills every SM); many requests of unequal length split finely enough
-    that the last wave is short. The partials of the extra splits stay in L2."""
-    return 4 * sm_count
+def default_target(sm_count: int, plan: DecodePlan | None = None) -> int:
+    """Work units to aim for: `plan.waves` waves of one CTA per SM (the default plan: one). One
+    request gets up to that many splits (a long one fills every SM, each split long enough to
+    amortize its prologue); more waves let unequal requests balance at the price of more
+    prologues and partials."""
+    return (plan.waves if plan is not None else DecodePlan(1, 1, 1).waves) * sm_count
 
 
-MIN_CHUNKS = 4  # the fewest chunks (128 tokens, 147 KB) worth a split, its partial and its prologue
+MIN_CHUNKS = DecodePlan(1, 1, 1).min_chunks  # the default plan's fewest chunks worth a split
 
 
 class _DeviceState:
@@ -658,7 +718,7 @@ class _DeviceState:
 
 
 _DEVICES: dict[torch.device, _DeviceState] = {}
-_COMPILED: dict[tuple[DecodePlan, str], Any] = {}
+_COMPILED: dict[tuple[tuple[int, ...], str], Any] = {}
 
 
 def _device_state(device: torch.device) -> _DeviceState:
@@ -672,12 +732,14 @@ def _device_state(device: torch.device) -> _DeviceState:
 def launch(q_lat: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
            query_start: torch.Tensor, max_q: int, out: torch.Tensor | None = None, *,
            stream: torch.cuda.Stream | None = None, plan: DecodePlan | None = None, target: int | None = None,
-           min_chunks: int = MIN_CHUNKS) -> torch.Tensor:
+           min_chunks: int | None = None) -> torch.Tensor:
     """ol [rows, heads, 512] bf16 (module docstring) into `out` (allocated when None) on `stream`.
 
     Runs the split kernel and, on the same stream, the combine (`mla_combine.launch`). The first
-    call of a variant compiles (seconds); later calls only launch. `plan`, `target` (work units
-    to aim for) and `min_chunks` override the defaults (benchmarks compare them).
+    call of a variant compiles (seconds); later calls only launch. `plan` (`choose_plan` when
+    None; `sweep_plans` lists the variants a benchmark compares), `target` (work units to aim
+    for; default `plan.waves` · SMs) and `min_chunks` (default `plan.min_chunks`) override the
+    defaults.
     """
     check_envelope(q_lat, cache, block_table, seq_lens, query_start, max_q, out)
     rows, heads, _ = q_lat.shape
@@ -689,14 +751,15 @@ def launch(q_lat: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
     _need(plan.smem_bytes <= SMEM_PER_CTA, f"{plan} needs {plan.smem_bytes} B of shared memory per CTA, "
           f"more than {SMEM_PER_CTA}; use fewer stages")
     positions = max_blocks * block_size
-    _need(positions <= 2 ** 30 and requests * -(-positions // CHUNK) * plan.max_tiles < 2 ** 31,
+    _need(positions <= 2 ** 30 and requests * -(-positions // plan.chunk) * plan.max_tiles < 2 ** 31,
           f"block_table covers {positions} positions per request, too many for the int32 schedule; "
           "shorten max_blocks")
     dev = _device_state(q_lat.device)
-    target = target or default_target(dev.sm_count)
+    target = target or default_target(dev.sm_count, plan)
+    min_chunks = plan.min_chunks if min_chunks is None else min_chunks
     _need(target >= 1 and min_chunks >= 1, f"target={target} and min_chunks={min_chunks} must be >= 1")
     slots = grid_size(plan, requests, target)
-    key = (plan, dev.arch)
+    key = (plan.kernel_key, dev.arch)
     fn = _COMPILED.get(key)
     if fn is None:
         fn = _COMPILED[key] = compile_mla_decode(plan, dev.arch)

@@ -1,0 +1,110 @@
+"""Where a specialized decode step's time goes: its CUDA-graph replay, kernel by kernel.
+
+    python -m vllm.models.kimi_k3.nvidia.benchmarks.profile_step [--tp 16] [--rows 1 8] [--q 1]
+                                                                 [--context 4096] [--out FILE.json]
+
+Builds the same per-rank 12-layer K3 block as `decode_latency.py` (seeded random weights,
+one GPU, collectives not timed), captures the bucket's graph, replays it `--steps` times
+under `torch.profiler` and sums the GPU time of every kernel per step. Prints the kernels
+by share of the step (name, launches per step, µs per step, share) and, beside the total,
+the span of one replay measured with CUDA events: their difference is the time the GPU sat
+between kernels (launch gaps and tails). A diagnostic, not evidence: it tells which kernel
+to work on next; `decode_latency.py` measures the figures that are recorded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from ..latency_specialized.decode_ops import KernelOps
+from ..latency_specialized.executor import SpecializedDecode
+from .decode_latency import _segments, fill_state, k3_block, median_ms
+
+
+def short_name(kernel: str) -> str:
+    """A kernel's name without its template arguments and compiler-mangled tails."""
+    name = re.sub(r"<.*>", "", kernel)
+    name = re.sub(r"_[0-9a-f]{8,}.*$", "", name)  # CuTe DSL appends a hash of the compiled variant
+    return name[:90]
+
+
+def kernel_table(events, steps: int) -> list[dict]:
+    """Per kernel name: launches and GPU µs per step, largest first."""
+    calls: dict[str, int] = defaultdict(int)
+    total: dict[str, float] = defaultdict(float)
+    for e in events:
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            calls[short_name(e.name)] += 1
+            total[short_name(e.name)] += e.device_time
+    rows = [{"kernel": k, "launches_per_step": calls[k] / steps, "us_per_step": total[k] / steps} for k in total]
+    rows.sort(key=lambda r: -r["us_per_step"])
+    busy = sum(r["us_per_step"] for r in rows)
+    for r in rows:
+        r["share"] = r["us_per_step"] / busy if busy else 0.0
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tp", type=int, default=16)
+    ap.add_argument("--rows", type=int, nargs="+", default=[1])
+    ap.add_argument("--q", type=int, default=1)
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=20, help="profiled replays")
+    ap.add_argument("--top", type=int, default=25, help="kernels printed")
+    ap.add_argument("--out", help="JSON file for the table")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("error: profile_step needs a CUDA device", file=sys.stderr)
+        return 2
+    bad = [r for r in args.rows if r % args.q]
+    if bad:
+        print(f"error: --rows {bad} are not multiples of --q {args.q}", file=sys.stderr)
+        return 2
+    model = k3_block(args.tp)
+    keys = [(r, args.q) for r in sorted(set(args.rows))]
+    requests = max(r for r, _ in keys) // args.q
+    ex = SpecializedDecode(model, max_requests=requests, max_len=args.context + args.q, buckets=keys, ops=KernelOps())
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    report = []
+    for key in keys:
+        report.append(profile_bucket(ex, model, key, args, gen))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    return 0
+
+
+def profile_bucket(ex: SpecializedDecode, model, key: tuple[int, int], args, gen: torch.Generator) -> dict:
+    rows, q = key
+    for r in range(ex.state.max_requests):
+        ex.state.free(r)
+    slots = fill_state(ex.state, rows // q, args.context, gen)
+    ids = torch.randint(0, model.w.lm_head.shape[0], (rows,), generator=gen, device="cuda")
+    ex(ids, _segments(ex.state, slots, q), ex.state)  # fills the bucket's metadata
+    span_us = median_ms(lambda: ex.replay(key), 50) * 1e3
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(args.steps):
+            ex.replay(key)
+        torch.cuda.synchronize()
+    table = kernel_table(prof.events(), args.steps)
+    busy = sum(r["us_per_step"] for r in table)
+    print(f"TP{args.tp} rows {rows} q {q} ctx {args.context}: replay {span_us:.1f} us, kernels busy "
+          f"{busy:.1f} us ({sum(r['launches_per_step'] for r in table):.0f} launches), idle {span_us - busy:.1f} us")
+    print(f"{'kernel':90s} {'n':>5s} {'us':>8s} {'share':>6s}")
+    for r in table[:args.top]:
+        print(f"{r['kernel']:90s} {r['launches_per_step']:5.0f} {r['us_per_step']:8.1f} {r['share']:6.1%}")
+    return {"tp": args.tp, "rows": rows, "q": q, "context": args.context, "replay_us": span_us, "busy_us": busy,
+            "kernels": table}
+
+
+if __name__ == "__main__":
+    sys.exit(main())
