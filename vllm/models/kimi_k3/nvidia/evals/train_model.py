@@ -51,6 +51,8 @@ from ..reference.kda import L2_NORM_EPS, O_NORM_EPS
 from ..reference.moe import RENORM_EPS
 
 BF16, F32 = torch.bfloat16, torch.float32
+# the most a chunk's gates may decay in total (fp32 keeps e^{±80}: its largest finite is e^88.7)
+MAX_CHUNK_DECAY = 160.0
 MODEL = "language_model.model."
 
 
@@ -90,19 +92,23 @@ def _situ(gate: torch.Tensor, up: torch.Tensor, beta: float | None, lam: float |
 def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_alpha: torch.Tensor,
                        beta: torch.Tensor, chunk: int) -> torch.Tensor:
     """Gated delta rule from a zero state, all fp32: q, k, log_alpha [B, h, T, d_k], v [B, h, T, d_v],
-    beta [B, h, T] -> o [B, h, T, d_v].
+    beta [B, h, T] -> o [B, h, T, d_v]. Precondition: log α ≥ −MAX_CHUNK_DECAY / chunk (K3's
+    bounded gate, lb = −5, allows chunks up to 32).
 
     Per token S_t = S_{t-1}·diag(α_t)·(I − β_t k_t k_tᵀ) + β_t v_t k_tᵀ and o_t = S_t q_t. Inside a
     chunk from state S₀, with G the within-chunk cumulative log decay, the chunk's corrections
     δ_t solve (I + diag(β)·A) Δ = diag(β)(V − (e^G ⊙ K) S₀ᵀ), A_ts = Σ_c k_t k_s e^{G_t − G_s}
-    (s < t); then o = (e^G ⊙ Q) S₀ᵀ + B Δ with B_ts the same sum for q_t (s ≤ t). Only
-    exponentials of non-positive numbers are formed (the pairs s > t are masked before the
-    exp), so no chunk length or gate can overflow.
+    (s < t); then o = (e^G ⊙ Q) S₀ᵀ + B Δ with B_ts the same sum for q_t (s ≤ t).
 
-    Δ is linear in S₀: Δ = U − W S₀ᵀ with U = L⁻¹ diag(β) V and W = L⁻¹ diag(β)(e^G ⊙ K) (the
-    UT transform), so everything but the state hand-off is computed for all chunks at once and
-    the sequential loop is three small products per chunk. Training is launch-bound at this
-    model size, so that loop length is what sets the step time.
+    Three choices make it fast enough to train in minutes (the step is launch- and then
+    bandwidth-bound at this size):
+    - e^{G_t − G_s} = e^{G_t − R} · e^{R − G_s} with R the chunk's middle G, so A and B are plain
+      matmuls; each factor stays within e^{±MAX_CHUNK_DECAY/2} (fp32-safe by the precondition)
+      and the pairs s > t, whose product may overflow, are masked after the product.
+    - Δ is linear in S₀: Δ = U − W S₀ᵀ with U = L⁻¹ diag(β) V and W = L⁻¹ diag(β)(e^G ⊙ K), and
+      L⁻¹ = Σ_i (−N)^i for the nilpotent N = L − I is formed by log₂(chunk) squarings, so all of
+      it runs for every chunk at once, in matmuls only (CUDA-graph capturable).
+    - The sequential loop is the state hand-off alone: three small products per chunk.
     """
     b, h, t, dk = q.shape
     dv = v.shape[-1]
@@ -115,17 +121,19 @@ def chunked_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_al
     qc, kc, vc, gc = (x.reshape(b, h, m, n, -1) for x in (q, k, v, log_alpha))
     bc = beta.reshape(b, h, m, n, 1)
     g = gc.cumsum(3)  # [B, h, M, C, d_k]
-    later = torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1)
-    decay = torch.exp((g[..., :, None, :] - g[..., None, :, :])
-                      .masked_fill(later[:, :, None], -math.inf))  # [B, h, M, t, s, d_k]
-    k_decayed = decay * kc[..., None, :, :]
-    a = torch.einsum("bhmtc,bhmtsc->bhmts", kc, k_decayed).tril(-1)
-    bq = torch.einsum("bhmtc,bhmtsc->bhmts", qc, k_decayed)
+    mid = g[..., n // 2:n // 2 + 1, :]
+    k_in = kc * torch.exp(mid - g)  # the e^{R − G_s} factor of the source token s
+    not_before = torch.ones(n, n, dtype=torch.bool, device=q.device).triu()  # pairs s >= t
+    a = (kc * torch.exp(g - mid) @ k_in.transpose(-1, -2)).masked_fill(not_before, 0.0)
+    bq = (qc * torch.exp(g - mid) @ k_in.transpose(-1, -2)).masked_fill(not_before.triu(1), 0.0)
     gamma = torch.exp(g)
-    lower = torch.eye(n, dtype=q.dtype, device=q.device) + bc * a
-    uw = torch.linalg.solve_triangular(lower, bc * torch.cat([vc, kc * gamma], -1), upper=False,
-                                       unitriangular=True)
-    u, w = uw.split([dv, dk], -1)
+    minus_n = -bc * a  # strictly lower: (I + N)^-1 = (I − N)(I + N²)(I + N⁴)...
+    inverse = torch.eye(n, dtype=q.dtype, device=q.device) + minus_n
+    power = minus_n
+    for _ in range(max(0, (n - 1).bit_length() - 1)):
+        power = power @ power
+        inverse = inverse + inverse @ power
+    u, w = (inverse @ (bc * torch.cat([vc, kc * gamma], -1))).split([dv, dk], -1)
     q_decayed = qc * gamma
     to_end = kc * torch.exp(g[..., -1:, :] - g)
     gamma_last = gamma[..., -1, :]  # [B, h, M, d_k]
@@ -148,6 +156,12 @@ class TrainModel(nn.Module):
                              f"{cfg.num_expert_group} groups; training supports one group only")
         if kda_chunk < 1:
             raise ValueError(f"TrainModel: kda_chunk must be a positive token count, found {kda_chunk}")
+        if any(cfg.layer_kind(i) == "kda" for i in range(cfg.num_hidden_layers)):
+            lb = cfg.gate_lower_bound
+            if lb is None or kda_chunk * abs(lb) > MAX_CHUNK_DECAY:
+                raise ValueError(f"TrainModel: kda_chunk {kda_chunk} with gate_lower_bound {lb}: the chunked delta "
+                                 f"rule needs a bounded gate with kda_chunk × |gate_lower_bound| <= "
+                                 f"{MAX_CHUNK_DECAY:g} (K3's −5 allows chunks up to 32)")
         self.cfg, self.kda_chunk = cfg, kda_chunk
         self.dtypes: dict[str, torch.dtype] = {}
         want = expected_shapes(cfg)
@@ -191,7 +205,9 @@ class TrainModel(nn.Module):
         cfg = self.cfg
         if ids.dim() != 2:
             raise ValueError(f"TrainModel: ids must be [batch, tokens], found shape {tuple(ids.shape)}")
-        if int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size:
+        # (a graph capture cannot read the ids back; the captured step's ids were checked eagerly)
+        capturing = ids.is_cuda and torch.cuda.is_current_stream_capturing()
+        if not capturing and (int(ids.min()) < 0 or int(ids.max()) >= cfg.vocab_size):
             raise ValueError(f"TrainModel: token ids must lie in [0, {cfg.vocab_size})")
         eps, size = cfg.rms_norm_eps, cfg.attn_res_block_size
         e = self.w(MODEL + "embed_tokens.weight")[ids]

@@ -15,6 +15,7 @@ same GPU and software gives the same checkpoint up to those ops.
 | optimizer | AdamW (β 0.9/0.95, decay on matrices only), warm-up, cosine to 10 %, clipping at 1.0 |
 | precision | bf16 GEMMs at the reference's rounding points (train_model.py), fp32 masters |
 | budget | `--steps` fixes the schedule; `--max-seconds` stops early, saves, and says so |
+| speed | on CUDA the whole step (forward, backward, clipping, AdamW) is one CUDA-graph replay per curriculum stage (`GraphedStep`); batches are padded to a fixed width per stage for it |
 
 Output: `DIR/config.json` + `DIR/model.safetensors` (HF-style, real checkpoint names,
 written by `weights.save_checkpoint`, read back by `weights.load_rank`), and the training
@@ -53,6 +54,7 @@ CURRICULUM = (512, 1024, 2048, 4096, 8192)
 # shares of the run per curriculum stage (renormalized over the stages used): short contexts
 # teach the formats in many cheap steps, long ones the distances the evals ask for
 STAGE_SHARES = (0.35, 0.3, 0.2, 0.15, 0.1)
+ANSWER_ROOM = 96  # tokens after the context: the longest answer (an MRCR text) and EOS, rounded up
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,7 @@ class TrainConfig:
     log_every: int = 10
     max_seconds: float = 0.0  # 0: no limit
     workers: int = 0  # data processes (0: built inline, between steps)
+    graphs: bool = True  # on CUDA, each step is a CUDA-graph replay (GraphedStep)
 
     def __post_init__(self) -> None:
         if self.steps < 1 or self.warmup < 0 or self.log_every < 1 or self.workers < 0:
@@ -163,8 +166,13 @@ def sequences(step: int, tc: TrainConfig) -> tuple[list[tuple[list[int], list[fl
 
 def to_tensors(seqs: list[tuple[list[int], list[float]]], length: int, device: torch.device | str
                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """Padded to `length + ANSWER_ROOM` tokens, so every batch of a stage has one shape (the
+    padding predicts nothing: weight 0, and causal attention keeps it out of earlier tokens)."""
     size = len(seqs)
-    width = max(len(ids) for ids, _ in seqs)
+    width = length + ANSWER_ROOM
+    longest = max(len(ids) for ids, _ in seqs)
+    if longest > width:
+        raise ValueError(f"a training sequence of {longest} tokens exceeds its stage's {width}; raise ANSWER_ROOM")
     ids = torch.full((size, width), TOK.PAD, dtype=torch.long)
     wts = torch.zeros(size, width)
     for r, (s_ids, s_w) in enumerate(seqs):
@@ -189,16 +197,93 @@ def lr_at(step: int, tc: TrainConfig) -> float:
     return tc.lr * (0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress))))
 
 
-def optimizer(model: TrainModel, tc: TrainConfig) -> torch.optim.AdamW:
-    """AdamW; weight decay on the projection matrices only (not norms, gates, conv taps, biases)."""
+def optimizer(model: TrainModel, tc: TrainConfig, capturable: bool = False) -> torch.optim.AdamW:
+    """AdamW; weight decay on the projection matrices only (not norms, gates, conv taps, biases).
+    `capturable`: fused, with the learning rate a device tensor, so a CUDA graph can hold the step."""
     def decayed(name: str, p: torch.Tensor) -> bool:
         return p.dim() == 2 and not name.endswith("_res_proj.weight")
 
     named = list(model.named_parameters())
-    return torch.optim.AdamW([{"params": [p for n, p in named if decayed(n, p)], "weight_decay": tc.weight_decay},
-                              {"params": [p for n, p in named if not decayed(n, p)], "weight_decay": 0.0}],
-                             lr=tc.lr, betas=(0.9, 0.95), eps=1e-8,
-                             fused=next(model.parameters()).is_cuda)
+    device = named[0][1].device
+    lr = torch.tensor(tc.lr, device=device) if capturable else tc.lr
+    opt = torch.optim.AdamW([{"params": [p for n, p in named if decayed(n, p)], "weight_decay": tc.weight_decay},
+                             {"params": [p for n, p in named if not decayed(n, p)], "weight_decay": 0.0}],
+                            lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda",
+                            capturable=capturable)
+    return opt
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for group in opt.param_groups:
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)  # in place: a captured step reads this tensor
+        else:
+            group["lr"] = lr
+
+
+def train_step(model: TrainModel, opt: torch.optim.Optimizer, ids: torch.Tensor, targets: torch.Tensor,
+               weights: torch.Tensor, clip: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One optimizer step; (loss, answer-token loss, gradient norm before clipping), on the device."""
+    logits = model(ids)
+    loss = weighted_loss(logits, targets, weights)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), clip)  # a tensor: no host sync
+    opt.step()
+    with torch.no_grad():
+        answer = weighted_loss(logits.detach(), targets, (weights >= 1.0).float())
+    return loss.detach(), answer, grad_norm
+
+
+class GraphedStep:
+    """`train_step` as one CUDA graph per batch shape: the tiny model's step is thousands of small
+    kernels, so replaying them from one graph instead of launching each is most of the speed.
+
+    Capturing needs warm-up steps that really run (they initialize AdamW's state and cuBLAS), so
+    the model and optimizer state are saved before them and restored after: the run computes
+    the same steps as the eager loop."""
+
+    def __init__(self, model: TrainModel, opt: torch.optim.Optimizer, clip: float, warmup: int = 2):
+        self.model, self.opt, self.clip, self.warmup = model, opt, clip, warmup
+        self.shape: tuple[int, ...] | None = None
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def __call__(self, ids: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if tuple(ids.shape) != self.shape:
+            self._capture(ids, targets, weights)
+        self.ids.copy_(ids)
+        self.targets.copy_(targets)
+        self.weights.copy_(weights)
+        self.graph.replay()
+        return self.out
+
+    def _capture(self, ids: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> None:
+        self.graph = None
+        self.opt.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()  # the previous shape's graph pool
+        self.ids, self.targets, self.weights = ids.clone(), targets.clone(), weights.clone()
+        saved = ([p.detach().clone() for p in self.model.parameters()],
+                 {id(t): t.clone() for st in self.opt.state.values() for t in st.values() if torch.is_tensor(t)})
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                train_step(self.model, self.opt, self.ids, self.targets, self.weights, self.clip)
+        torch.cuda.current_stream().wait_stream(side)
+        with torch.no_grad():
+            for p, p0 in zip(self.model.parameters(), saved[0]):
+                p.copy_(p0)
+            for st in self.opt.state.values():
+                for key, t in st.items():
+                    if torch.is_tensor(t):
+                        # state the warm-up created starts from zero, as a first real step expects
+                        t.copy_(saved[1][id(t)]) if id(t) in saved[1] else t.zero_()
+        self.opt.zero_grad(set_to_none=True)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = train_step(self.model, self.opt, self.ids, self.targets, self.weights, self.clip)
+        self.shape = tuple(ids.shape)
 
 
 @contextlib.contextmanager
@@ -274,24 +359,19 @@ class Batches:
 
 def _train(tc: TrainConfig, cfg: K3TextConfig, device: str, log) -> tuple[TrainModel, dict]:
     model = TrainModel.from_source(cfg, RandomSource(cfg, seed=tc.seed), kda_chunk=tc.kda_chunk).to(device)
-    opt = optimizer(model, tc)
+    graphed = tc.graphs and torch.device(device).type == "cuda"
+    opt = optimizer(model, tc, capturable=graphed)
+    step_fn = GraphedStep(model, opt, tc.clip) if graphed else (
+        lambda ids, targets, weights: train_step(model, opt, ids, targets, weights, tc.clip))
     curve: dict = {"config": cfg.name, "train": asdict(tc),
                    "params": sum(p.numel() for p in model.parameters()), "steps": [], "stopped_early": False}
     batches = Batches(tc, device)
     t0 = time.perf_counter()
     try:
         for step, (ids, targets, weights, length) in enumerate(batches):
-            for group in opt.param_groups:
-                group["lr"] = lr_at(step, tc)
-            logits = model(ids)
-            loss = weighted_loss(logits, targets, weights)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), tc.clip)  # no host sync
-            opt.step()
+            set_lr(opt, lr_at(step, tc))
+            loss, answer, grad_norm = step_fn(ids, targets, weights)
             if step % tc.log_every == 0 or step == tc.steps - 1:
-                with torch.no_grad():
-                    answer = weighted_loss(logits, targets, (weights >= 1.0).float())
                 row = {"step": step, "loss": loss.item(), "answer_loss": answer.item(), "lr": lr_at(step, tc),
                        "grad_norm": float(grad_norm), "length": length, "batch": ids.shape[0],
                        "seconds": round(time.perf_counter() - t0, 2)}
@@ -322,6 +402,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-length", type=int, default=d.max_length)
     ap.add_argument("--kda-chunk", type=int, default=d.kda_chunk)
     ap.add_argument("--log-every", type=int, default=d.log_every)
+    ap.add_argument("--no-graphs", action="store_true", help="launch every kernel of a step (no CUDA graph)")
     ap.add_argument("--workers", type=int, default=None,
                     help="processes building batches ahead of the GPU (default: up to 8 on cuda, 0 on cpu)")
     ap.add_argument("--max-seconds", type=float, default=480.0,
@@ -331,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     tc = TrainConfig(steps=args.steps, seed=args.seed, lr=args.lr, tokens_per_step=args.tokens_per_step,
                      max_length=args.max_length, kda_chunk=args.kda_chunk, max_seconds=args.max_seconds,
-                     log_every=args.log_every,
+                     log_every=args.log_every, graphs=not args.no_graphs,
                      workers=args.workers if args.workers is not None else
                      (min(8, max(0, (os.cpu_count() or 1) - 2)) if args.device == "cuda" else 0))
     lengths = tuple(int(x) for x in args.eval_lengths.split(",") if x)

@@ -14,7 +14,8 @@ import torch
 from vllm.models.kimi_k3.nvidia.evals import harness, tasks
 from vllm.models.kimi_k3.nvidia.evals.tiny import TINY
 from vllm.models.kimi_k3.nvidia.evals.train_model import TrainModel, chunked_delta_rule
-from vllm.models.kimi_k3.nvidia.evals.train_tiny import (DictSource, TrainConfig, optimizer, save, sequence,
+from vllm.models.kimi_k3.nvidia.evals.train_tiny import (Batches, DictSource, GraphedStep, TrainConfig, batch,
+                                                          optimizer, save, sequence, set_lr, train_step,
                                                          weighted_loss)
 from vllm.models.kimi_k3.nvidia.latency_specialized.deployment import Deployment
 from vllm.models.kimi_k3.nvidia.latency_specialized.dispatch import NOT_BUILT_REASON
@@ -252,6 +253,30 @@ def test_chunked_delta_rule_matches_the_token_recurrence():
         assert rel_err(got[i].transpose(0, 1), want) < 1e-5
 
 
+def test_chunked_delta_rule_is_finite_at_the_strongest_decay_k3_allows():
+    # every gate at K3's bound (log α = −5) over 32-token chunks: e^{±80} factors, masked overflow
+    g = torch.Generator().manual_seed(4)
+    b, h, t, d = 1, 2, 70, 16
+    q = torch.nn.functional.normalize(torch.randn(b, h, t, d, generator=g), dim=-1) * d ** -0.5
+    k = torch.nn.functional.normalize(torch.randn(b, h, t, d, generator=g), dim=-1)
+    v = torch.randn(b, h, t, d, generator=g)
+    log_alpha = torch.full((b, h, t, d), -5.0)
+    log_alpha[..., ::7, :] = -1e-3  # and some slow channels, so the state keeps history
+    beta = torch.rand(b, h, t, generator=g)
+    got = chunked_delta_rule(q, k, v, log_alpha, beta, chunk=32)
+    want, _ = gated_delta_rule_recurrent(*(x[0].transpose(0, 1).contiguous() for x in (q, k, v, log_alpha)),
+                                         beta[0].transpose(0, 1).contiguous(), torch.zeros(h, d, d))
+    assert torch.isfinite(got).all()
+    assert rel_err(got[0].transpose(0, 1), want) < 1e-5
+
+
+def test_training_model_refuses_chunks_its_gate_bound_cannot_keep_finite():
+    with pytest.raises(ValueError, match="kda_chunk 64 with gate_lower_bound -5.0"):
+        TrainModel.from_source(TINY, RandomSource(TINY, seed=0), kda_chunk=64)
+    with pytest.raises(ValueError, match="bounded gate"):
+        TrainModel.from_source(TINY.replace(gate_lower_bound=None), RandomSource(TINY, seed=0))
+
+
 @pytest.fixture(scope="module")
 def tiny_pair():
     src = RandomSource(TINY, seed=5)
@@ -323,6 +348,42 @@ def test_three_steps_reduce_the_loss_and_gradients_reach_the_chosen_experts():
         opt.step()
         losses.append(loss.item())
     assert losses[2] < losses[1] < losses[0], losses
+
+
+def test_batches_from_worker_processes_equal_the_inline_batches():
+    tc = TrainConfig(steps=5, workers=2, tokens_per_step=2048, max_length=1024)
+    ahead = Batches(tc, "cpu")
+    try:
+        got = list(ahead)
+    finally:
+        ahead.close()
+    assert [g[3] for g in got] == [512, 512, 512, 1024, 1024]  # the stage shares: 0.35 / 0.3 of 5 steps
+    for step, g in enumerate(got):
+        want = batch(step, tc, "cpu")
+        assert all(torch.equal(a, b) for a, b in zip(g[:3], want[:3])), step
+
+
+@pytest.mark.gpu
+def test_graphed_training_steps_equal_eager_steps():
+    # three steps across a shape change (a second capture): same losses and weights as eager
+    tc = TrainConfig(steps=3, tokens_per_step=1024, max_length=1024)
+    data = [batch(s, tc, "cuda") for s in (0, 0, 2)]
+    runs = []
+    for graphed in (False, True):
+        torch.manual_seed(0)
+        model = TrainModel.from_source(TINY, RandomSource(TINY, seed=1)).cuda()
+        opt = optimizer(model, tc, capturable=graphed)
+        step = GraphedStep(model, opt, tc.clip) if graphed else (
+            lambda i, t, w: train_step(model, opt, i, t, w, tc.clip))
+        losses = []
+        for k, (ids, targets, weights, _) in enumerate(data):
+            set_lr(opt, 1e-3 * (k + 1))
+            losses.append(float(step(ids, targets, weights)[0]))
+        runs.append((losses, [p.detach().clone() for p in model.parameters()]))
+    (l_eager, p_eager), (l_graph, p_graph) = runs
+    assert data[0][0].shape != data[2][0].shape
+    assert l_graph == pytest.approx(l_eager, rel=1e-4), (l_graph, l_eager)
+    assert max(rel_err(a, b) for a, b in zip(p_graph, p_eager)) < 1e-3
 
 
 def test_saved_checkpoint_loads_with_load_rank_and_round_trips(tmp_path):
