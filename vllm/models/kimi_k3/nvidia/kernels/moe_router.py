@@ -1,6 +1,8 @@
 """MoE router epilogue for decode rows: sigmoid, correction bias, top-k, renormalize, scale.
 
-STATUS: compiled (sm_90a, sm_100a, sm_103a), not yet run on a GPU.
+Status: GPU-tested on the H200 (evidence/h200/moe_test.json) in its previous design (~29-30 us
+at every M); this design is compile-checked (sm_90a, sm_100a, sm_103a) and its GPU test and
+timing are pending re-measurement.
 
 Math (`reference/moe.py::route`, K3_MATH.md §3.6), per row of the fp32 router logits ℓ:
 
@@ -9,18 +11,35 @@ Math (`reference/moe.py::route`, K3_MATH.md §3.6), per row of the fp32 router l
           other key (−∞ included), NaN among themselves by index
     w_j = s_Top_j / (Σ_j s_Top_j + 1e-20) · routed_scaling_factor   (renormalize; else s · factor)
 
-The router GEMM itself stays on kernels/skinny_gemm.py (fp32 output); this kernel reads its
-logits. σ is 1/(1 + e^−ℓ) with the hardware exp2, so a key can differ from torch.sigmoid's by an
-ulp or two; only keys that close together can be ordered differently from the reference.
+Σ_j runs in selection order, sequentially from 0 (fp32). The router GEMM itself stays on
+kernels/skinny_gemm.py (fp32 output); this kernel reads its logits. σ is 1/(1 + e^−ℓ) with the
+hardware exp2, so a key can differ from torch.sigmoid's by an ulp or two; only keys that close
+together can be ordered differently from the reference.
 
 Envelope: logits [M, E] and bias [E] fp32, contiguous, 4-byte aligned, one CUDA device;
 1 <= M <= 64, E % 32 == 0, 32 <= E <= 1024, 1 <= k <= min(32, E); sigmoid scoring with a single
 expert group (K3: 896 experts, top-16, one group). Outputs: weights [M, k] fp32 and ids [M, k]
 int32 in selection order (what kernels/moe_experts.py takes).
 
-Design: one warp per row; lane l keeps experts l + 32·i (i < E/32) in registers. Each of the k
-rounds takes every lane's best remaining key, then a butterfly over the warp under the strict
-total order above (so every lane agrees on the winner), and the winner's lane strikes it out.
+Design: one warp (one CTA) per row; lane l owns experts l + 32·i (i < E/32, a compile-time
+count). Every register index is a compile-time constant, so nothing goes to local memory.
+- Prologue: all 2·E/32 loads (logits, bias) are issued first, then σ per key. (The previous
+  design interleaved them, and each σ's IEEE division has a slow-path branch that the loads
+  were not hoisted across: 28 load latencies in a row at K3's shape.)
+- Keys become int32 codes whose signed order is the order above: a live key's fp32 bits
+  (sign, magnitude) map to ±magnitude (monotone; −0 and +0 meet at 0; −∞ is −0x7F800000),
+  a NaN key to INT_MIN + 1, a taken key to INT_MIN. On equal codes the lower expert index
+  wins, at every step. σ goes to shared memory for the weights.
+- The k rounds are one runtime loop (not unrolled; the previous design's fully unrolled,
+  branchy rounds were ~11k SASS instructions run once). A round: each lane's best slot by a
+  pairwise tree over its slots in index order (branch-free max + select; on equal codes the
+  left, lower slot stays); the warp's best code by `redux.sync.max`; the lowest expert
+  index among the lanes holding it by `redux.sync.min` over lane + 32·slot; the lane whose
+  candidate won strikes that slot (a compare-select against each compile-time slot, so one
+  slot of one lane). Lane t keeps round t's expert. k <= E, so a taken key never wins.
+- Epilogue: lane t (t < k) reads its σ from shared memory; every lane sums the k σ in
+  selection order (k index shuffles, sequential fp32 from 0, as the previous design);
+  lane t writes weight and id slot t.
 """
 
 from __future__ import annotations
@@ -32,37 +51,53 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import Constexpr, Float32, Int32, const_expr
+from cutlass._mlir.dialects import arith
 from .rms_norm import device_arch, gmem_ptr
 
 MAX_ROWS = 64
 MAX_EXPERTS = 1024
 MAX_TOP_K = 32
 RENORM_EPS = 1e-20
-# key classes: a live key beats a NaN key beats a key already taken
-_LIVE, _NAN, _TAKEN = 2, 1, 0
+# key codes (signed int32 order): live keys are ±magnitude >= -0x7F800000 (−∞); then NaN, then taken
+_NAN_CODE = -(2 ** 31) + 1
+_TAKEN_CODE = -(2 ** 31)
+_MAG_MASK = 0x7FFFFFFF
+_INF_MAG = 0x7F800000
+_NO_CAND = 2 ** 31 - 1
 
 
 class MoERouterEnvelopeError(ValueError):
     """The inputs fall outside what the router kernel supports."""
 
 
+def _sel(cond, a, b, dtype):
+    """Branch-free select (one SEL / selp), typed."""
+    return dtype(cutlass.select_(cond, dtype(a), dtype(b)))
+
+
 @cute.jit
-def _beats(cls_a: Int32, key_a: Float32, idx_a: Int32, cls_b: Int32, key_b: Float32, idx_b: Int32) -> Int32:
-    """1 if candidate a ranks before b: class first, then the key (live keys only), then index."""
-    res = Int32(0)
-    if cls_a > cls_b:
-        res = Int32(1)
-    if cls_a == cls_b:
-        if cls_a == _LIVE:
-            if key_a > key_b:
-                res = Int32(1)
-            if key_a == key_b:
-                if idx_a < idx_b:
-                    res = Int32(1)
-        else:
-            if idx_a < idx_b:
-                res = Int32(1)
-    return res
+def _key_code(key: Float32) -> Int32:
+    """The int32 code of a selection key (module docstring): signed order = the router's order."""
+    bits = Int32(arith.bitcast(Int32.mlir_type, key.ir_value()))
+    mag = bits & Int32(_MAG_MASK)
+    code = _sel(bits < 0, Int32(0) - mag, mag, Int32)
+    return _sel(mag > Int32(_INF_MAG), Int32(_NAN_CODE), code, Int32)
+
+
+def _lane_best(code: Any, n: int) -> tuple[Int32, Int32]:
+    """(best code, its slot) over code[0..n): a pairwise tree over slots in order (traced as plain
+    Python: compile-time indices only); on equal codes the left, lower slot (lower expert) stays."""
+    level = [(code[i], Int32(i)) for i in range(n)]
+    while len(level) > 1:
+        nxt = []
+        for p in range(0, len(level) - 1, 2):
+            (c_a, j_a), (c_b, j_b) = level[p], level[p + 1]
+            take_b = c_b > c_a
+            nxt.append((_sel(take_b, c_b, c_a, Int32), _sel(take_b, j_b, j_a, Int32)))
+        if len(level) % 2 == 1:
+            nxt.append(level[-1])
+        level = nxt
+    return level[0]
 
 
 @cute.kernel
@@ -75,60 +110,46 @@ def _router_kernel(logits_ptr: cute.Pointer, bias_ptr: cute.Pointer, w_ptr: cute
     bias = cute.make_tensor(bias_ptr, cute.make_layout(n_experts))
     w_out = cute.make_tensor(w_ptr, cute.make_layout((m, top_k), stride=(top_k, 1)))
     ids_out = cute.make_tensor(ids_ptr, cute.make_layout((m, top_k), stride=(top_k, 1)))
+    smem = cutlass.memory.SmemAllocator()
+    score_s = smem.allocate_tensor(Float32, cute.make_layout(n_experts), byte_alignment=16)
 
-    score = cute.make_rmem_tensor(cute.make_layout(per_lane), Float32)
-    key = cute.make_rmem_tensor(cute.make_layout(per_lane), Float32)
-    cls = cute.make_rmem_tensor(cute.make_layout(per_lane), Int32)
+    # every load first, so the 2·E/32 loads are in flight together (σ's division has a slow-path
+    # branch per key, which loads would not be hoisted across)
+    lg = cute.make_rmem_tensor(cute.make_layout(per_lane), Float32)
+    bs = cute.make_rmem_tensor(cute.make_layout(per_lane), Float32)
     for i in cutlass.range_constexpr(per_lane):
-        e = lane + 32 * i
-        s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-logits[row, e]))
-        score[i] = s
-        key[i] = s + bias[e]
-        cls[i] = Int32(_LIVE)
-        if cute.math.isnan(key[i]):
-            cls[i] = Int32(_NAN)
+        lg[i] = logits[row, lane + 32 * i]
+        bs[i] = bias[lane + 32 * i]
+    code = cute.make_rmem_tensor(cute.make_layout(per_lane), Int32)
+    for i in cutlass.range_constexpr(per_lane):
+        s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-lg[i]))
+        score_s[lane + 32 * i] = s
+        code[i] = _key_code(s + bs[i])
 
-    sel_idx = cute.make_rmem_tensor(cute.make_layout(top_k), Int32)
-    sel_score = cute.make_rmem_tensor(cute.make_layout(top_k), Float32)
-    for t in cutlass.range_constexpr(top_k):
-        # this lane's best remaining expert (indices rise with i: ties keep the earlier)
-        b_cls = cls[0]
-        b_key = key[0]
-        b_idx = lane
-        b_s = score[0]
-        for i in cutlass.range_constexpr(1, per_lane):
-            if _beats(cls[i], key[i], lane + 32 * i, b_cls, b_key, b_idx) == 1:
-                b_cls = cls[i]
-                b_key = key[i]
-                b_idx = lane + 32 * i
-                b_s = score[i]
-        for step in cutlass.range_constexpr(5):
-            o_cls = cute.arch.shuffle_sync_bfly(b_cls, offset=16 >> step)
-            o_key = cute.arch.shuffle_sync_bfly(b_key, offset=16 >> step)
-            o_idx = cute.arch.shuffle_sync_bfly(b_idx, offset=16 >> step)
-            o_s = cute.arch.shuffle_sync_bfly(b_s, offset=16 >> step)
-            if _beats(o_cls, o_key, o_idx, b_cls, b_key, b_idx) == 1:
-                b_cls = o_cls
-                b_key = o_key
-                b_idx = o_idx
-                b_s = o_s
-        sel_idx[t] = b_idx
-        sel_score[t] = b_s
-        if b_idx % 32 == lane:
-            for i in cutlass.range_constexpr(per_lane):
-                if b_idx // 32 == i:
-                    cls[i] = Int32(_TAKEN)
+    my_id = Int32(0)
+    for t in cutlass.range(top_k, unroll=1):
+        best, slot = _lane_best(code, per_lane)
+        # the warp's best code, then the lowest expert index holding it
+        top = cute.arch.warp_redux_sync(best, "max")
+        cand = _sel(best == top, lane + 32 * slot, Int32(_NO_CAND), Int32)
+        win = cute.arch.warp_redux_sync(cand, "min")
+        my_id = _sel(lane == t, win, my_id, Int32)
+        # the winning lane strikes its slot (cand is unique to this lane, so one slot in one lane)
+        hit = _sel(cand == win, slot, Int32(-1), Int32)
+        for i in cutlass.range_constexpr(per_lane):
+            code[i] = _sel(hit == i, Int32(_TAKEN_CODE), code[i], Int32)
 
-    if lane == 0:
-        total = Float32(0.0)
-        for t in cutlass.range_constexpr(top_k):
-            total += sel_score[t]
-        for t in cutlass.range_constexpr(top_k):
-            ids_out[row, t] = sel_idx[t]
-            if const_expr(renormalize):
-                w_out[row, t] = sel_score[t] / (total + Float32(RENORM_EPS)) * Float32(scale)
-            else:
-                w_out[row, t] = sel_score[t] * Float32(scale)
+    cute.arch.sync_warp()  # score_s written by other lanes
+    s_mine = score_s[my_id]  # lanes >= k read expert 0's σ and write nothing
+    total = Float32(0.0)
+    for t in cutlass.range_constexpr(top_k):  # selection order, as every lane sums it
+        total += cute.arch.shuffle_sync(s_mine, t)
+    if lane < top_k:
+        ids_out[row, lane] = my_id
+        if const_expr(renormalize):
+            w_out[row, lane] = s_mine / (total + Float32(RENORM_EPS)) * Float32(scale)
+        else:
+            w_out[row, lane] = s_mine * Float32(scale)
 
 
 @cute.jit

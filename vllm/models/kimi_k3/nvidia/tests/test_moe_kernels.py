@@ -412,16 +412,23 @@ def test_router_envelope_errors(case, match):
         moe_router.launch(logits, bias, top_k)
 
 
-# K3's shape unrolls 16 rounds over 28 keys per lane (~7 s a compile): once; a small shape on
-# the other archs
-@pytest.mark.parametrize("arch, n_experts, top_k", [("sm_90a", K3.num_experts, TOP_K),
-                                                     ("sm_100a", 128, 4), ("sm_103a", 128, 4)])
-def test_router_compiles_for_arch(arch, n_experts, top_k, tmp_path):
-    ptx = moe_router.compile_router(n_experts, top_k, True, K3.routed_scaling_factor, arch,
+# K3's shape on sm_90a, the envelope's corners (E = 32 and 1024, k = 1 and 32, no renormalize)
+# and a small shape on the other archs
+@pytest.mark.parametrize("arch, n_experts, top_k, renormalize", [
+    ("sm_90a", K3.num_experts, TOP_K, True), ("sm_90a", 32, 32, True), ("sm_90a", 1024, 32, False),
+    ("sm_90a", 1024, 1, True), ("sm_100a", 128, 4, True), ("sm_103a", 128, 4, True)])
+def test_router_compiles_for_arch(arch, n_experts, top_k, renormalize, tmp_path):
+    ptx = moe_router.compile_router(n_experts, top_k, renormalize, K3.routed_scaling_factor, arch,
                                     ptx_dir=str(tmp_path)).artifacts.PTX
     assert f".target {arch}" in ptx
-    assert ptx.count("shfl.sync.bfly") == 4 * 5 * top_k  # (class, key, index, score) × 5 steps × k rounds
+    # the k rounds are one loop, not unrolled: one warp max and one warp min per round
+    assert ptx.count("redux.sync.max.s32") == 1 and ptx.count("redux.sync.min.s32") == 1
+    assert '.pragma "nounroll"' in ptx or top_k == 1  # (one round: no loop left)
+    # the strike: one compare-and-select per register slot, compile-time slot numbers
+    assert ptx.count("selp.b32") >= n_experts // 32
     assert not re.search(r"\b(ld|st)\.local", ptx), "the per-lane keys spilled to local memory"
+    # Σ of the k weights in selection order (+1 where the shared-memory base is made warp-uniform)
+    assert top_k <= ptx.count("shfl.sync.idx") <= top_k + 1
 
 
 @pytest.mark.gpu
@@ -445,3 +452,35 @@ def test_router_matches_reference(kind, evidence):
         if not ok:
             failures.append(f"M={m}: ids equal {ids_equal}, weights close {w_close}")
     assert not failures, f"router {kind}: " + "; ".join(failures)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("n_experts, top_k, renormalize", [(32, 32, True), (32, 1, True), (64, 32, False),
+                                                          (1024, 32, True), (1024, 1, False), (96, 7, True)])
+def test_router_envelope_corners(n_experts, top_k, renormalize, evidence):
+    """E = 32..1024, k = 1..32, both renormalize settings, keys with ties, NaN, ±∞ and −0 bias."""
+    gen = torch.Generator(device="cuda").manual_seed(n_experts * 100 + top_k)
+    cfg = SimpleNamespace(num_experts=n_experts, num_experts_per_token=top_k, moe_router_activation_func="sigmoid",
+                          use_grouped_topk=False, num_expert_group=1, topk_group=1, moe_renormalize=renormalize,
+                          routed_scaling_factor=K3.routed_scaling_factor)
+    failures = []
+    for m in (1, 5, 64):
+        logits = (torch.randn(m, n_experts, generator=gen, device="cuda") * 2).round() / 2  # ties
+        bias = torch.randint(-1, 2, (n_experts,), generator=gen, device="cuda").float() * 0.25
+        bias[bias == 0] = -0.0
+        u = torch.rand(m, n_experts, generator=gen, device="cuda")
+        logits[u < 0.1] = float("nan")
+        logits[(u >= 0.1) & (u < 0.2)] = float("-inf")
+        logits[(u >= 0.2) & (u < 0.25)] = float("inf")
+        bias[: n_experts // 16] = float("nan") if m == 5 else float("-inf")
+        w_out, ids_out = moe_router.launch(logits, bias, top_k, renormalize=renormalize,
+                                           routed_scaling_factor=K3.routed_scaling_factor)
+        ref_w, ref_ids = route(logits, bias, cfg)
+        ids_equal = bool(torch.equal(ids_out.long(), ref_ids))
+        w_close = bool(torch.allclose(w_out, ref_w, rtol=1e-5, atol=1e-7, equal_nan=True))
+        evidence.append({"name": f"router corner E={n_experts} k={top_k} renorm={renormalize} M={m}",
+                         "status": "pass" if ids_equal and w_close else "fail", "ids_equal": ids_equal,
+                         "weights_close": w_close})
+        if not (ids_equal and w_close):
+            failures.append(f"M={m}: ids equal {ids_equal}, weights close {w_close}")
+    assert not failures, f"router E={n_experts} k={top_k}: " + "; ".join(failures)
