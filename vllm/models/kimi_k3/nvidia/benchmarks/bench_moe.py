@@ -60,8 +60,8 @@ def _reference_call(w13: torch.Tensor, w2: torch.Tensor):
     return run
 
 
-def _time_eager(fn, reps: int = 10, warmup: int = 2) -> float:
-    """Median µs of one call, CUDA events around it (the call may sync the host)."""
+def median_us(fn, reps: int = 10, warmup: int = 2) -> float:
+    """Median µs of one call fn(i), CUDA events around it (the call may sync the host)."""
     times = []
     for i in range(warmup + reps):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -100,7 +100,7 @@ def bench_case(tp: int, w13: torch.Tensor, w2: torch.Tensor, m: int, copy_bw: fl
     ref = reference(x0, ids0, wts0).float()
     rel = float(((out0.float() - ref).norm(dim=1) / ref.norm(dim=1)).max())
     t_ours = time_graph([lambda i=i: ours(i) for i in range(len(sets))])
-    t_ref = _time_eager(lambda i: reference(*sets[i % len(sets)][:3]))
+    t_ref = median_us(lambda i: reference(*sets[i % len(sets)][:3]))
 
     unique = statistics.mean(int(torch.unique(s[1]).numel()) for s in sets)
     nbytes = unique * expert_bytes + m * h * 2 * 2 + m * top_k * 8

@@ -45,6 +45,7 @@ from ..latency_specialized.executor import SpecializedDecode
 from ..latency_specialized.weights import ShardRandomSource, load_rank
 from ..reference.model import ReferenceModel
 from ..reference.params import KDAWeights, MoEWeights
+from .bench_moe import median_us
 from .bench_skinny_gemm import copy_bandwidth_TBps
 
 BLOCK_LAYERS = 12
@@ -123,16 +124,7 @@ def _rollback(state, slots: list[int], q: int) -> None:
 
 
 def median_ms(fn: Callable[[], object], reps: int, warmup: int = 3) -> float:
-    times = []
-    for i in range(warmup + reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        if i >= warmup:
-            times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return median_us(lambda i: fn(), reps, warmup) * 1e-3
 
 
 def floor_bytes(model: ReferenceModel, ex: SpecializedDecode, key: tuple[int, int], requests: int,

@@ -86,17 +86,16 @@ class DecodeOps:
     def mla_absorb(self, q: torch.Tensor, w_uk: torch.Tensor, d_n: int) -> torch.Tensor:
         """q [N, h, d_n + d_r] -> q_lat [N, h, r_kv + d_r] = [bf16(q_nope · W_UK) | q_pe]."""
         self._rec("mla_absorb", "torch")
-        acc = acc_dtype(q)
-        ql = torch.einsum("nhd,hdr->nhr", q[..., :d_n].to(acc), w_uk.to(acc)).to(BF16) if acc != F32 else \
-            torch.bmm(q[..., :d_n].transpose(0, 1), w_uk).transpose(0, 1)
+        if acc_dtype(q) != F32:
+            return ref_mla.absorb_query(q, w_uk)
+        ql = torch.bmm(q[..., :d_n].transpose(0, 1), w_uk).transpose(0, 1)  # one batched GEMM on the GPU
         return torch.cat([ql, q[..., d_n:]], dim=-1)
 
     def mla_unabsorb(self, ol: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
         """ol [N, h, r_kv] -> o [N, h, d_v] = bf16(ol · W_UVᵀ)."""
         self._rec("mla_unabsorb", "torch")
-        acc = acc_dtype(ol)
-        if acc != F32:
-            return torch.einsum("nhr,hvr->nhv", ol.to(acc), w_uv.to(acc)).to(BF16)
+        if acc_dtype(ol) != F32:
+            return ref_mla.unabsorb(ol, w_uv)
         return torch.bmm(ol.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
 
 

@@ -90,12 +90,21 @@ def attend_absorbed(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor,
     The n queries are the last n positions of kv (already inserted); causal among them.
     """
     _check_core(q, kv, w_uk, w_uv)
-    acc = acc_dtype(kv)
-    d_n, r_kv = w_uk.shape[1], w_uk.shape[2]
-    ql = torch.einsum("nhd,hdr->nhr", q[..., :d_n].to(acc), w_uk.to(acc)).to(BF16)
-    # [ql | q_pe] dotted with a whole cache row [c | k_pe] gives both score terms at once
-    ol = attend_latent(torch.cat([ql, q[..., d_n:]], dim=-1), kv, r_kv, 1.0 / math.sqrt(q.shape[-1]))
-    return torch.einsum("nhr,hvr->nhv", ol.to(acc), w_uv.to(acc)).to(BF16)
+    ol = attend_latent(absorb_query(q, w_uk), kv, w_uk.shape[2], 1.0 / math.sqrt(q.shape[-1]))
+    return unabsorb(ol, w_uv)
+
+
+def absorb_query(q: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
+    """q [n, h, d_n + d_r] -> q_lat [n, h, r_kv + d_r] = [bf16(q_nope · W_UK) | q_pe]: dotted with a
+    whole cache row [c | k_pe] it gives both score terms at once."""
+    acc = acc_dtype(q)
+    ql = torch.einsum("nhd,hdr->nhr", q[..., :w_uk.shape[1]].to(acc), w_uk.to(acc)).to(BF16)
+    return torch.cat([ql, q[..., w_uk.shape[1]:]], dim=-1)
+
+
+def unabsorb(ol: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+    """Latent attention output ol [n, h, r_kv] -> o [n, h, d_v] = bf16(ol · W_UVᵀ)."""
+    return torch.einsum("nhr,hvr->nhv", ol.to(acc_dtype(ol)), w_uv.to(acc_dtype(ol))).to(BF16)
 
 
 def attend_naive(q: torch.Tensor, kv: torch.Tensor, w_uk: torch.Tensor,
