@@ -1,8 +1,11 @@
 """MLA absorbed decode attention over the paged latent cache, split over the KV length.
 
-**Status: compiled (sm_90a, sm_100a, sm_103a); on the H200 only a first smoke has run
-(2026-12-02: test_mixed_lengths_match_reference, 6 cases, passed); the full GPU test,
-benchmark and sanitizer evidence are pending.**
+**Status: compiled (sm_90a, sm_100a, sm_103a; every plan of `sweep_plans` for sm_90a without
+spills) and CPU-tested (schedule, split model, PTX). The GPU-tested design (4 warps, 32-token
+chunks, 4-stage ring, 32-row tiles, four waves; 2.5 TB/s at best) is superseded by the one
+below. The new design is pending its H200 test and benchmark evidence: one informal H200 run
+(2026-12-03, no evidence record) passed this file's GPU tests and a side-by-side timing of the
+`sweep_plans` variants, which chose the defaults below.**
 
 Math (K3_MATH.md §3.5 (6); `reference/mla.py::attend_absorbed` is the oracle, read up to its
 latent output ol, before W_UV): for every query row i of a request, with q_lat_i = [ql | q_pe]
@@ -31,25 +34,43 @@ for such metadata is unspecified, and rows outside every request are not written
 Design (decode reads the whole cache once; all heads and verify tokens of a request share
 each cache row read):
 - Work unit = (request, query tile of 16·m rows of its heads × tokens, KV split). A CTA of
-  4 warps streams its split in 32-token chunks through a `stages`-deep cp.async ring in
-  shared memory; the cache row pitch is padded by 16 bytes so every ldmatrix is
-  conflict-free. Warp w computes the scores of tokens 8w..8w+7 (Q and K fragments by
-  ldmatrix, mma.sync m16n8k16, several accumulators to break the dependency chain), the
-  four warps meet in shared memory for the row max and sum (online softmax), the weights
-  go through shared memory as bf16, and warp w accumulates value columns 128w..128w+127
-  (V fragments by ldmatrix.trans straight from the same ring rows).
+  `warps` warps streams its split in chunks of `chunk` tokens through a `stages`-deep cp.async
+  ring in shared memory; the cache row pitch is padded by 16 bytes so every ldmatrix is
+  conflict-free. Warp w computes the scores of its chunk / (8·warps) n8 token tiles (Q and K
+  fragments by ldmatrix, mma.sync m16n8k16, a Q fragment serving every token tile, several
+  accumulators to break the dependency chain), the warps meet in shared memory for the row
+  max and sum (online softmax), the weights go through shared memory as bf16, and warp w
+  accumulates value columns (512/warps)·w .. (512/warps)·(w+1) − 1 (V fragments by
+  ldmatrix.trans straight from the same ring rows).
+- Default plan (`choose_plan`), up to 32 query rows (plain decode at TP8/TP16): 4 warps,
+  64-token chunks (73.7 KB of cache each), 2 stages: a 150 KB ring (172 KB of shared memory
+  in all), one chunk in flight per SM while the other is computed, one CTA of 128 threads
+  per SM (187 registers). Against the superseded 32-token chunks it halves the barriers and
+  the softmax round trips through shared memory per token (three barriers per chunk, the
+  chunk twice as long), gives each warp two independent token tiles per Q fragment (the Q
+  ldmatrix traffic per token halves: 416 instead of 576 ldmatrix.x4 per 64 tokens, the
+  shared-memory port being the busiest unit), and runs one wave. More rows (verify): 8 warps
+  (64 value columns each), so three 16-row tiles of accumulators fit in registers (246):
+  96 rows (12 heads × 8 tokens) read each cache row twice instead of three times.
+  `sweep_plans` lists the variants a benchmark times against the default (the superseded
+  shape; 4 vs 8 warps; 2 or 4 waves; longer minimum splits; one tile more or fewer);
+  `launch(plan=...)` runs any of them.
 - The schedule is computed on the device from seq_lens (CUDA-graph safe, identical in
-  every CTA): W = Σ_r chunks_r · tiles_r, chunks per split cps = max(min_chunks,
-  ⌈W / target⌉), splits_r = ⌈chunks_r / cps⌉, balanced chunk ranges. The grid is the
-  static bound target + requests · max_tiles, so one request at 1M tokens gets `target`
-  splits (every SM busy) and every length runs; surplus CTAs exit at once.
+  every CTA): W = Σ_r chunks_r · tiles_r, T = Σ_r tiles_r over requests with chunks,
+  chunks per split cps = max(min_chunks, ⌈W / max(target − T + 1, 1)⌉), splits_r =
+  ⌈chunks_r / cps⌉, balanced chunk ranges. Then the units Σ_r tiles_r splits_r ≤ (W − T) / cps
+  + T ≤ target (T when T > target): with target = waves · SMs and the default one wave, no
+  rounding spills a straggler wave (8 requests × 128K: 128 units, not 136 in two waves; one
+  request at 32K: 128 splits of 4 chunks). The grid is the static bound max(target,
+  requests · max_tiles), so one request at 1M tokens gets `target` splits (every SM busy) and
+  every length runs; surplus CTAs exit at once.
 - A request with one split writes ol directly. Otherwise each CTA writes its unnormalized
   FP32 partial (O, max, sum) and a record of what it computed to a workspace, and
   `kernels/mla_combine.py` merges the splits (log-sum-exp weights, fixed order). `launch`
   runs both. Launches of one shape share the workspace, so they must be stream-ordered.
 
 The host `launch` checks the envelope before any CUDA work, compiles once per (heads,
-max_q, block_size, tiling, arch), then only launches on an explicit stream (CUDA-graph
+max_q, block_size, m_tiles, stages, warps, chunk, arch), then only launches on an explicit stream (CUDA-graph
 capturable once the shape has run one time outside the capture).
 """
 
@@ -101,7 +122,7 @@ class DecodePlan:
     block_size: int
     m_tiles: int = 1  # 16-row MMA tiles per CTA (1..4)
     stages: int = 2  # chunks in the cp.async ring
-    warps: int = 8  # 4 or 8
+    warps: int = 4  # 4 or 8
     chunk: int = 64  # 32 or 64 tokens per stage
     waves: int = 1
     min_chunks: int = 2
@@ -161,13 +182,20 @@ class DecodePlan:
 
 
 def choose_plan(heads: int, max_q: int, block_size: int) -> DecodePlan:
-    """The default: 8 warps streaming 64-token chunks through a 2-stage ring (150 KB: one 74 KB
-    chunk in flight while the other is computed), one CTA per SM; the 16-row tiles per CTA (1..4) that
-    cut a request's query rows into the fewest CTA tiles, then the least padding (12 rows: 1;
-    48: 3, one tile; 96: 3, two tiles of 48, so each cache row is read twice, not three times)."""
+    """The default. Up to 32 query rows (plain decode at TP8/TP16): 4 warps streaming 64-token
+    chunks through a 2-stage ring (150 KB: one 74 KB chunk in flight while the other is
+    computed), one CTA of 128 threads per SM, one or two 16-row tiles. More rows (verify):
+    8 warps (64 value columns each, so 3 tiles of accumulators fit in registers) and the tiles
+    per CTA (1..3; 4 needs more than 227 KB) that cut the rows into the fewest CTA tiles, then
+    the least padding (48 rows: one tile; 96: two tiles of 48, so each cache row is read twice,
+    not three times as with 32-row tiles). One wave of work units (`default_target`)."""
     rows = heads * max_q
-    m_tiles = min(range(1, 5), key=lambda m: (-(-rows // (16 * m)), m * -(-rows // (16 * m))))
-    return DecodePlan(heads, max_q, block_size, m_tiles=m_tiles)
+    if rows <= 32:
+        return DecodePlan(heads, max_q, block_size, m_tiles=-(-rows // 16), warps=4)
+    fits = [m for m in range(1, 5)
+            if DecodePlan(heads, max_q, block_size, m_tiles=m, warps=8).smem_bytes <= SMEM_PER_CTA]
+    m_tiles = min(fits, key=lambda m: (-(-rows // (16 * m)), m * -(-rows // (16 * m))))
+    return DecodePlan(heads, max_q, block_size, m_tiles=m_tiles, warps=8)
 
 
 def sweep_plans(heads: int, max_q: int, block_size: int) -> list[DecodePlan]:
@@ -177,9 +205,9 @@ def sweep_plans(heads: int, max_q: int, block_size: int) -> list[DecodePlan]:
     plans = [base]
     for kw in ({"warps": 4, "chunk": 32, "stages": 4, "m_tiles": min(2, base.m_tiles), "waves": 4,
                 "min_chunks": 4},  # the superseded GPU-tested shape
-               {"warps": 4, "chunk": 64, "stages": 2, "m_tiles": min(2, base.m_tiles)},
+               {"warps": 4, "m_tiles": min(2, base.m_tiles)}, {"warps": 8},
                {"waves": 2}, {"waves": 4, "min_chunks": 4}, {"min_chunks": 8},
-               {"m_tiles": min(4, -(-rows // 16))}, {"m_tiles": max(1, base.m_tiles - 1)}):
+               {"m_tiles": min(4 if base.warps == 8 else 2, -(-rows // 16))}, {"m_tiles": max(1, base.m_tiles - 1)}):
         plan = replace(base, **kw)
         if plan not in plans and plan.smem_bytes <= SMEM_PER_CTA:
             plans.append(plan)
@@ -207,8 +235,13 @@ def request_work(seq_len, row_start, row_end, r, requests, rows, cap, heads, max
     return length, row0, q, chunks, tiles
 
 
-def chunks_per_split(total_work, target, min_chunks, hi=cutlass.max):
-    return hi(min_chunks, (total_work + target - 1) // target)
+def chunks_per_split(total_work, live_tiles, target, min_chunks, hi=cutlass.max):
+    """cps = max(min_chunks, ⌈W / max(target − T + 1, 1)⌉) with W = Σ_r chunks_r · tiles_r and T the
+    query tiles of requests with chunks: the units Σ_r tiles_r ⌈chunks_r / cps⌉ ≤ (W − T) / cps + T
+    then stay ≤ target (one wave when target = SMs, no straggler wave from rounding) or, when
+    T > target, equal T (one split each)."""
+    room = hi(target - live_tiles + 1, 1)
+    return hi(min_chunks, (total_work + room - 1) // room)
 
 
 def split_count(chunks, cps):
@@ -225,8 +258,8 @@ def split_range(chunks, splits, s, lo=cutlass.min, hi=cutlass.max):
 
 
 def grid_size(plan: DecodePlan, requests: int, target: int) -> int:
-    """Static bound on the work units: Σ tiles_r ⌈chunks_r / cps⌉ ≤ W / cps + Σ tiles_r."""
-    return target + requests * plan.max_tiles
+    """Static bound on the work units: ≤ target, or T ≤ requests · max_tiles (`chunks_per_split`)."""
+    return max(target, requests * plan.max_tiles)
 
 
 @dataclass(frozen=True)
@@ -248,7 +281,8 @@ def schedule(seq_lens: list[int], query_start: list[int], rows: int, cap: int, p
     work = [request_work(seq_lens[r], query_start[r], query_start[r + 1], r, requests, rows, cap,
                          plan.heads, plan.max_q, plan.tile_rows, plan.chunk, min, max) for r in range(requests)]
     total = sum(w[3] * w[4] for w in work)
-    cps = chunks_per_split(total, target, min_chunks, max)
+    live = sum(w[4] * min(w[3], 1) for w in work)
+    cps = chunks_per_split(total, live, target, min_chunks, max)
     units, slot = [], 0
     for r, (length, _, _, chunks, tiles) in enumerate(work):
         splits = split_count(chunks, cps)
@@ -298,7 +332,8 @@ def _locate(lens: cute.Tensor, starts: cute.Tensor, unit: Int32, lane: Int32, re
         vals.append(request_work(lens[rc], starts[rc], starts[rc + 1], r, requests, rows, cap,
                                  plan.heads, plan.max_q, plan.tile_rows, plan.chunk))
     total = _warp_sum(vals[0][3] * vals[0][4] + vals[1][3] * vals[1][4])
-    cps = chunks_per_split(total, target, min_chunks)
+    live = _warp_sum(vals[0][4] * cutlass.min(vals[0][3], 1) + vals[1][4] * cutlass.min(vals[1][3], 1))
+    cps = chunks_per_split(total, live, target, min_chunks)
     splits = [split_count(v[3], cps) for v in vals]
     units = [splits[h] * vals[h][4] for h in range(2)]
     incl0 = _warp_inclusive_scan(units[0], lane)

@@ -151,7 +151,7 @@ def _load_x(x_vec: cute.Tensor, dst: cute.Tensor, x_rows: cute.Tensor, atoms: Co
 
 
 @cute.jit
-def _situ(gate: Float32, up: Float32, beta: Constexpr, linear_beta: Constexpr) -> Float32:
+def situ(gate: Float32, up: Float32, beta: Constexpr, linear_beta: Constexpr) -> Float32:
     """SiTU(g, u) in fp32 on the bf16-rounded gate and up (reference/ops.py::situ_and_mul)."""
     g = gate.to(BFloat16).to(Float32)
     u = up.to(BFloat16).to(Float32)
@@ -307,7 +307,7 @@ def _expert_gemv_kernel(
                 for q in cutlass.range_constexpr(1, warps_k):
                     gate += red[q, slot, gate_col]
                     up += red[q, slot, gate_col + 16]
-                out[dst_pick[slot], tile * block_out + col] = _situ(gate, up, beta, linear_beta).to(BFloat16)
+                out[dst_pick[slot], tile * block_out + col] = situ(gate, up, beta, linear_beta).to(BFloat16)
             else:
                 total = red[0, slot, col]
                 for q in cutlass.range_constexpr(1, warps_k):

@@ -40,7 +40,7 @@ if TYPE_CHECKING:
 
 # Ops that run as plain torch on both tables: views, copies and elementwise epilogues that
 # no kernel fuses yet, and the per-head MLA (un)absorption GEMMs on cuBLAS.
-GLUE = ("copy", "mla_absorb", "mla_unabsorb", "mla_gate", "situ_and_mul", "bf16_add", "logits_scale")
+GLUE = ("copy", "mla_absorb", "mla_unabsorb", "mla_gate", "bf16_add", "logits_scale")
 
 
 class DecodeOps:
@@ -70,7 +70,8 @@ class DecodeOps:
         return (o.reshape(gate.shape).to(F32) * torch.sigmoid(gate.to(F32))).to(BF16)
 
     def situ_and_mul(self, gate_up: torch.Tensor, beta: float | None, linear_beta: float | None) -> torch.Tensor:
-        self._rec("situ_and_mul", "torch")
+        """The reference's SiTU-and-mul on [g | u] (KernelOps runs kernels/situ_mul.py instead)."""
+        self._rec("situ_and_mul")
         gate, up = gate_up.chunk(2, dim=-1)
         return situ_and_mul(gate, up, beta, linear_beta)
 
@@ -175,11 +176,15 @@ class KernelOps(DecodeOps):
     def __init__(self) -> None:
         super().__init__()
         from ..kernels import (attn_res, embedding, kda_decode, mla_cache_write, mla_decode, moe_experts, moe_router,
-                               rms_norm, skinny_gemm)
+                               rms_norm, situ_mul, skinny_gemm)
         self.k_attn_res, self.k_embedding, self.k_kda = attn_res, embedding, kda_decode
         self.k_cache_write = mla_cache_write
         self.k_mla, self.k_experts, self.k_router = mla_decode, moe_experts, moe_router
-        self.k_norm, self.k_gemm = rms_norm, skinny_gemm
+        self.k_norm, self.k_gemm, self.k_situ = rms_norm, skinny_gemm, situ_mul
+
+    def situ_and_mul(self, gate_up: torch.Tensor, beta: float | None, linear_beta: float | None) -> torch.Tensor:
+        self._rec("situ_and_mul")
+        return self.k_situ.launch(gate_up, beta, linear_beta)
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = BF16) -> torch.Tensor:
         if not x.is_contiguous():

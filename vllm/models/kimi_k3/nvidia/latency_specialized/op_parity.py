@@ -98,6 +98,9 @@ class ComparedOps(DecodeOps):
     def routed_experts(self, *a: Any, **k: Any) -> torch.Tensor:
         return self._both("routed_experts", *a, **k)
 
+    def situ_and_mul(self, *a: Any, **k: Any) -> torch.Tensor:
+        return self._both("situ_and_mul", *a, **k)
+
 
 def main(argv: list[str] | None = None) -> int:
     from ..benchmarks.decode_latency import fill_state, k3_block

@@ -19,6 +19,7 @@ K3_EVIDENCE_DIR set the GPU results are written there as a "kernel-test" record.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import random
@@ -32,7 +33,7 @@ import torch
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install nvidia-cutlass-dsl==4.8.1)")
 
 from vllm.models.kimi_k3.nvidia.kernels import mla_combine, mla_decode  # noqa: E402
-from vllm.models.kimi_k3.nvidia.kernels.mla_decode import CHUNK, DecodePlan, schedule  # noqa: E402
+from vllm.models.kimi_k3.nvidia.kernels.mla_decode import DecodePlan, schedule  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_kernel_test  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._util import rel_err  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.mla import attend_absorbed  # noqa: E402
@@ -212,12 +213,12 @@ def _check_cover(lengths, q_lens, plan, target, min_chunks):
     ranges: dict[tuple[int, int], list[tuple[int, int]]] = {}
     for u in units:
         assert 0 <= u.chunk_begin < u.chunk_end, u
-        assert u.token_end == min(u.chunk_end * CHUNK, lengths[u.request])
+        assert u.token_end == min(u.chunk_end * plan.chunk, lengths[u.request])
         ranges.setdefault((u.request, u.tile), []).append((u.chunk_begin, u.chunk_end))
     for r, (n, q) in enumerate(zip(lengths, q_lens)):
         for t in range(-(-plan.heads * q // plan.tile_rows) if n > 0 else 0):
             spans = sorted(ranges.pop((r, t)))
-            assert spans[0][0] == 0 and spans[-1][1] == -(-n // CHUNK), (r, t)
+            assert spans[0][0] == 0 and spans[-1][1] == -(-n // plan.chunk), (r, t)
             assert all(a[1] == b[0] for a, b in itertools.pairwise(spans)), (r, t)
     assert not ranges
     return units
@@ -281,7 +282,7 @@ def _model(b: Batch, plan: DecodePlan, target: int, min_chunks: int) -> torch.Te
         run_sum = torch.zeros(rows)
         acc = torch.zeros(rows, R_KV)
         for ci in range(u.chunk_begin, u.chunk_end):
-            tok = torch.arange(ci * CHUNK, (ci + 1) * CHUNK)
+            tok = torch.arange(ci * plan.chunk, (ci + 1) * plan.chunk)
             rows_kv = kv[tok.clamp(max=u.token_end - 1)]
             s2 = (qt @ rows_kv.T) * mla_decode.SCALE_LOG2
             s2 = s2.masked_fill(tok[None, :] >= limit[:, None], -math.inf)
@@ -305,16 +306,19 @@ def _model(b: Batch, plan: DecodePlan, target: int, min_chunks: int) -> torch.Te
     return out.view(starts[-1], b.heads, R_KV).to(BF16)
 
 
+@pytest.mark.parametrize("variant", ["default", "4warps_chunk32"])
 @pytest.mark.parametrize("heads, q_lens, target, min_chunks", [
     (6, [1, 1, 1], 1, 1),  # one split per request: the direct write
     (6, [1, 1, 1], 64, 1),  # many splits, most of them one chunk
     (12, [8, 3], 16, 1),  # verify rows across splits, two query tiles
     (12, [2, 8], 5, 2),
 ])
-def test_split_algorithm_matches_reference(heads, q_lens, target, min_chunks):
-    lengths = [max(q, n) for q, n in zip(q_lens, [97, 33, 130][:len(q_lens)])]
+def test_split_algorithm_matches_reference(heads, q_lens, target, min_chunks, variant):
+    lengths = [max(q, n) for q, n in zip(q_lens, [297, 33, 530][:len(q_lens)])]
     b = Batch(lengths, q_lens, heads, 16, "normal", 3 + heads, "cpu")
     plan = _plan(heads, max(q_lens), 16)
+    if variant != "default":
+        plan = dataclasses.replace(plan, warps=4, chunk=32, stages=4, m_tiles=min(plan.m_tiles, 2))
     out = _model(b, plan, target, min_chunks)
     assert not torch.isnan(out).any()
     for r in range(len(lengths)):
@@ -323,10 +327,12 @@ def test_split_algorithm_matches_reference(heads, q_lens, target, min_chunks):
 
 # ---------------------------------------------------------------- compile checks (CPU)
 
-COMPILE_PLANS = [  # plain decode at TP8 (one tile), verify at TP8 (two tiles, 16-token blocks): each arch
-    # compiles one of them (a compile takes seconds); the GPU tests compile the rest
-    DecodePlan(heads=12, max_q=1, block_size=64, m_tiles=1, stages=4),
-    DecodePlan(heads=12, max_q=8, block_size=16, m_tiles=2, stages=4),
+COMPILE_PLANS = [  # the default plans at TP8 (plain decode: one 16-row tile; verify: 96 rows in two tiles
+    # of 48, 16-token blocks) and the 4-warp variant of the sweep; each arch compiles some of them
+    # (a compile takes seconds); the GPU tests compile the rest
+    mla_decode.choose_plan(12, 1, 64),
+    mla_decode.choose_plan(12, 8, 16),
+    DecodePlan(heads=12, max_q=8, block_size=64, m_tiles=2, stages=2, warps=4, chunk=64),
 ]
 
 
@@ -342,15 +348,18 @@ def _spills(ptx: str, arch: str, tmp_path) -> str | None:
     return res.stderr if res.returncode == 0 else None
 
 
-@pytest.mark.parametrize("plan, arch", [(COMPILE_PLANS[1], "sm_90a"), (COMPILE_PLANS[0], "sm_100a"),
+@pytest.mark.parametrize("plan, arch", [(COMPILE_PLANS[1], "sm_90a"), (COMPILE_PLANS[0], "sm_90a"),
+                                        (COMPILE_PLANS[2], "sm_90a"), (COMPILE_PLANS[0], "sm_100a"),
                                         (COMPILE_PLANS[0], "sm_103a")],
-                         ids=["tp8_q8-sm_90a", "tp8_q1-sm_100a", "tp8_q1-sm_103a"])
+                         ids=["tp8_q8-sm_90a", "tp8_q1-sm_90a", "4warps-sm_90a", "tp8_q1-sm_100a", "tp8_q1-sm_103a"])
 def test_decode_compiles_for_arch(plan, arch, tmp_path):
     ptx = mla_decode.compile_mla_decode(plan, arch, ptx_dir=str(tmp_path)).artifacts.PTX
     assert f".target {arch}" in ptx
     mmas = len(re.findall(r"mma\.sync\.aligned\.m16n8k16\.row\.col\.f32\.bf16\.bf16\.f32", ptx))
-    # per chunk: 36 k-atoms of scores and 2 × 16 of P·V per 16-row tile
-    assert mmas == plan.m_tiles * (36 + 32)
+    # per chunk and 16-row tile: 36 k-atoms of scores per n8 token tile, and chunk / 16 k-atoms
+    # of P·V over the warp's 512 / warps value columns (n8 tiles)
+    assert plan.m_tiles == (3 if plan.max_q == 8 else 1) or plan.warps == 4
+    assert mmas == plan.m_tiles * (36 * plan.n_tiles + plan.chunk // 16 * plan.warp_cols // 8)
     assert "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16" in ptx  # V straight from the ring
     assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx
     assert "cp.async.cg.shared.global" in ptx and ", 16, 16;" in ptx  # 16-byte async copies
