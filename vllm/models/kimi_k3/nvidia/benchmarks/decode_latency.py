@@ -56,7 +56,7 @@ SOURCES = ("vllm/models/kimi_k3/nvidia/latency_specialized/executor.py",
            "vllm/models/kimi_k3/nvidia/benchmarks/decode_latency.py",
            *(f"vllm/models/kimi_k3/nvidia/kernels/{k}.py" for k in (
                "attn_res", "embedding", "kda_decode", "mla_cache_write", "mla_decode", "mla_combine", "moe_combine",
-               "moe_experts", "moe_router", "rms_norm", "skinny_gemm")))
+               "moe_experts", "moe_router", "rms_norm", "situ_mul", "skinny_gemm")))
 # Parity. With random weights, K3's router (top-16 of 896, sigmoid scores within ~0.03 of each
 # other around the 16th place) flips experts on perturbations of bf16 size: measured on CPU, 1e-3
 # relative noise on every GEMM output moves one step's logits by 0.28 (top-1 agreement 0.5) on the
