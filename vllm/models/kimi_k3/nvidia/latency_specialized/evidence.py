@@ -4,8 +4,8 @@ One format for every record, so one checker reads them all: what ran (`command`)
 name, compute capability, driver), with what (torch and nvidia-cutlass-dsl versions, git commit),
 over which sources (`sources` and `source_hash`, the sha256 of their bytes, so a record goes
 stale when they change) and what came out (`results`, `targets`). The git commit comes from the
-checkout, else from the environment variable K3_COMMIT (the device copy of the tree has no
-.git), else "unknown".
+checkout, unless the environment variable K3_COMMIT names it (the device copy of the tree
+carries a .git that may point at an older commit than its files), else "unknown".
 """
 
 from __future__ import annotations
@@ -35,6 +35,10 @@ def source_hash(paths: Iterable[str | Path], root: Path = REPO_ROOT) -> str:
 
 
 def _git_commit(root: Path) -> str:
+    """K3_COMMIT when the caller names the commit (a copied tree's own .git, if it has one, may
+    still point at an older commit than the files it runs), else the checkout's HEAD."""
+    if os.environ.get("K3_COMMIT"):
+        return os.environ["K3_COMMIT"]
     try:
         out = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True,
                              text=True, timeout=10)
@@ -42,7 +46,7 @@ def _git_commit(root: Path) -> str:
             return out.stdout.strip()
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("K3_COMMIT", "unknown")
+    return "unknown"
 
 
 def _version(dist: str) -> str:
