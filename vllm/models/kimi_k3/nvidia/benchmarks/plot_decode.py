@@ -40,32 +40,39 @@ def plot(records: list[dict], out: Path) -> Path:
     matplotlib.use("Agg")  # files only: no display on CI or the GPU machine
     import matplotlib.pyplot as plt
     import matplotlib.ticker
+    from matplotlib.lines import Line2D
 
     results = points(records)
     if not results:
         raise ValueError("no timed results in the records given: pass decode-bench JSON files")
     tps = sorted({r["tp"] for r in results}, reverse=True)
     fig, axes = plt.subplots(1, len(tps), figsize=(6 * len(tps), 4.5), squeeze=False)
+    contexts = sorted({r["context"] for r in results})
+    styles = dict(zip(contexts, ("-", "--", ":", "-.")))  # context -> line style; path -> color
     for ax, tp in zip(axes[0], tps):
         for ctx in sorted({r["context"] for r in results if r["tp"] == tp}):
             mine = [r for r in results if r["tp"] == tp and r["context"] == ctx]
-            for path, label, color in PATHS:
+            for path, _, color in PATHS:
                 plain = sorted((r["rows"], _time_ms(r, path)) for r in mine if r["q"] == 1)
                 plain = [(x, y) for x, y in plain if y is not None]
                 if plain:
-                    ax.plot(*zip(*plain), "o-" if path != "floor" else "x--", color=color,
-                            label=f"{label}, ctx {ctx}")
+                    ax.plot(*zip(*plain), marker="x" if path == "floor" else "o", linestyle=styles.get(ctx, "-"),
+                            color=color)
                 verify = [(r["rows"], _time_ms(r, path)) for r in mine if r["q"] > 1]
                 verify = [(x, y) for x, y in verify if y is not None]
                 if verify:
                     ax.plot(*zip(*verify), "s", mfc="none", color=color)
+        shown = sorted({r["context"] for r in results if r["tp"] == tp})
+        handles = [Line2D([], [], color=color, marker="x" if path == "floor" else "o", label=label)
+                   for path, label, color in PATHS]
+        handles += [Line2D([], [], color="gray", linestyle=styles[c], label=f"context {c}") for c in shown]
         ax.set(xscale="log", yscale="log", xlabel="rows per step (hollow squares: verify steps, q > 1)",
                ylabel="step time, ms (12-layer block)", title=f"TP{tp}, per rank, collectives not timed")
         rows = sorted({r["rows"] for r in results if r["tp"] == tp})
         ax.set_xticks(rows, [str(n) for n in rows])
         ax.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(handles=handles, fontsize=7)
     fig.tight_layout()
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=110)
