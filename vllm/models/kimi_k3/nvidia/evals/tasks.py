@@ -187,15 +187,16 @@ def kv(length: int, seed: int, *, needles: int = 2, depths: tuple[float, ...] | 
                 seen.add(k)
                 return k
 
-    # all lines are drawn before any is placed, so the needles' line numbers can be fixed first
-    fact_size, query_line_size = line_size, len("get abcdef:12345\n")
-    lines: list[tuple[str, str, bool]] = []  # (key, value, practice query?)
+    # all lines are drawn before any is placed, so the needles' line numbers can be fixed first;
+    # a practice query asks as many keys as the final one, so training sees the asked format
+    fact_size, query_line_size = line_size, len("get :\n") + needles * 13 - 2
+    lines: list[tuple[str, str, bool]] = []  # (keys, values, practice query?), space-separated
     facts: list[int] = []  # indices of the fact lines
     used = 0
     while True:
-        if practice and facts and rng.random() < practice:
-            k, v, _ = lines[rng.choice(facts)]
-            size, line = query_line_size, (k, v, True)
+        if practice and len(facts) >= needles and rng.random() < practice:
+            asked = [lines[i] for i in rng.sample(facts, needles)]
+            size, line = query_line_size, (" ".join(a[0] for a in asked), " ".join(a[1] for a in asked), True)
         else:
             size, line = fact_size, (fresh_key(), f"{rng.randrange(100000):05d}", False)
         if used + size > budget:

@@ -94,12 +94,14 @@ def test_arith_answer_is_the_sum_written_lsd_first_with_a_carry():
 
 
 def test_practice_spans_mark_answers_found_in_the_context():
-    s = tasks.kv(2048, 1, practice=0.3)
+    s = tasks.kv(2048, 1, practice=0.3)  # two needles: practice asks two keys, as the final query does
     table = dict(re.findall(r"^([a-z0-9]{6})=(\d{5})$", s.prompt, flags=re.M))
-    asked = re.findall(r"^get ([a-z0-9]{6}):(\d{5})$", s.prompt, flags=re.M)
+    asked = re.findall(r"^get ([a-z0-9]{6}) ([a-z0-9]{6}):(\d{5}) (\d{5})$", s.prompt, flags=re.M)
     spans = [bytes(s.prompt_ids[a:b]).decode() for a, b in s.supervised]
     assert asked and len(spans) == len(asked)
-    assert all(table[k] == v and span == v + "\n" for (k, v), span in zip(asked, spans))
+    assert all(table[k1] == v1 and table[k2] == v2 and k1 != k2 and span == f"{v1} {v2}\n"
+               for (k1, k2, v1, v2), span in zip(asked, spans))
+    assert tasks.kv(2048, 1).prompt.count("get ") == 1  # evals: the final query alone
     m = tasks.mrcr(2048, 1, practice=0.3)
     assert m.supervised and all(m.prompt_ids[b - 1] == ord("\n") for _, b in m.supervised)
 
