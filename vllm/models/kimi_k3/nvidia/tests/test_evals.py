@@ -240,36 +240,35 @@ def test_eval_cli_runs_and_explains_a_missing_checkpoint(tmp_path, capsys):
 # ---------------------------------------------------------------------- the training model
 
 
-def test_chunked_delta_rule_matches_the_token_recurrence():
-    g = torch.Generator().manual_seed(3)
-    b, h, t, d = 2, 2, 23, 16
+def _delta_rule_case(seed: int, b: int, h: int, t: int, d: int, log_alpha: torch.Tensor | None, chunk: int):
+    """chunked_delta_rule on random unit-norm q, k (q scaled d^-1/2), random v and β, and the
+    token-by-token recurrence on the same inputs: (got, want), each [b, h, t, d]."""
+    g = torch.Generator().manual_seed(seed)
     q = torch.nn.functional.normalize(torch.randn(b, h, t, d, generator=g), dim=-1) * d ** -0.5
     k = torch.nn.functional.normalize(torch.randn(b, h, t, d, generator=g), dim=-1)
     v = torch.randn(b, h, t, d, generator=g)
-    log_alpha = -5.0 * torch.rand(b, h, t, d, generator=g)
+    if log_alpha is None:
+        log_alpha = -5.0 * torch.rand(b, h, t, d, generator=g)
     beta = torch.rand(b, h, t, generator=g)
-    got = chunked_delta_rule(q, k, v, log_alpha, beta, chunk=5)  # uneven last chunk
-    for i in range(b):
-        want, _ = gated_delta_rule_recurrent(*(x[i].transpose(0, 1).contiguous() for x in (q, k, v, log_alpha)),
-                                             beta[i].transpose(0, 1).contiguous(), torch.zeros(h, d, d))
-        assert rel_err(got[i].transpose(0, 1), want) < 1e-5
+    got = chunked_delta_rule(q, k, v, log_alpha, beta, chunk=chunk)
+    want = torch.stack([gated_delta_rule_recurrent(*(x[i].transpose(0, 1).contiguous() for x in (q, k, v, log_alpha)),
+                                                   beta[i].transpose(0, 1).contiguous(), torch.zeros(h, d, d))[0]
+                        .transpose(0, 1) for i in range(b)])
+    return got, want
+
+
+def test_chunked_delta_rule_matches_the_token_recurrence():
+    got, want = _delta_rule_case(3, 2, 2, 23, 16, None, chunk=5)  # uneven last chunk
+    assert all(rel_err(a, w) < 1e-5 for a, w in zip(got, want))
 
 
 def test_chunked_delta_rule_is_finite_at_the_strongest_decay_k3_allows():
     # every gate at K3's bound (log α = −5) over 32-token chunks: e^{±80} factors, masked overflow
-    g = torch.Generator().manual_seed(4)
-    b, h, t, d = 1, 2, 70, 16
-    q = torch.nn.functional.normalize(torch.randn(b, h, t, d, generator=g), dim=-1) * d ** -0.5
-    k = torch.nn.functional.normalize(torch.randn(b, h, t, d, generator=g), dim=-1)
-    v = torch.randn(b, h, t, d, generator=g)
-    log_alpha = torch.full((b, h, t, d), -5.0)
+    log_alpha = torch.full((1, 2, 70, 16), -5.0)
     log_alpha[..., ::7, :] = -1e-3  # and some slow channels, so the state keeps history
-    beta = torch.rand(b, h, t, generator=g)
-    got = chunked_delta_rule(q, k, v, log_alpha, beta, chunk=32)
-    want, _ = gated_delta_rule_recurrent(*(x[0].transpose(0, 1).contiguous() for x in (q, k, v, log_alpha)),
-                                         beta[0].transpose(0, 1).contiguous(), torch.zeros(h, d, d))
+    got, want = _delta_rule_case(4, 1, 2, 70, 16, log_alpha, chunk=32)
     assert torch.isfinite(got).all()
-    assert rel_err(got[0].transpose(0, 1), want) < 1e-5
+    assert rel_err(got[0], want[0]) < 1e-5
 
 
 def test_training_model_refuses_chunks_its_gate_bound_cannot_keep_finite():
