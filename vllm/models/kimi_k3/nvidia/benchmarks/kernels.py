@@ -21,13 +21,14 @@ from pathlib import Path
 TESTS = "vllm/models/kimi_k3/nvidia/tests"
 BENCH = "vllm.models.kimi_k3.nvidia.benchmarks"
 
-# family -> (GPU test file, benchmark module, benchmark arguments given the output dir)
+# family -> (GPU test files, benchmark module, benchmark arguments given the output dir)
 FAMILIES = {
-    "gemm": ("test_skinny_gemm.py", "bench_skinny_gemm", lambda d: ["--out", str(d / "skinny_gemm_bench.json")]),
-    "norms": ("test_norm_kernels.py", "bench_norms", lambda d: ["--out-dir", str(d)]),
-    "kda": ("test_kda_decode_kernel.py", "bench_kda_decode", lambda d: ["--out", str(d / "kda_decode_bench.json")]),
-    "mla": ("test_mla_decode_kernel.py", "bench_mla_decode", lambda d: ["--out", str(d / "mla_decode_bench.json")]),
-    "moe": ("test_moe_kernels.py", "bench_moe", lambda d: ["--out", str(d / "moe_bench.json")]),
+    "gemm": (("test_skinny_gemm.py",), "bench_skinny_gemm", lambda d: ["--out", str(d / "skinny_gemm_bench.json")]),
+    "norms": (("test_norm_kernels.py", "test_situ_mul_kernel.py"), "bench_norms", lambda d: ["--out-dir", str(d)]),
+    "kda": (("test_kda_decode_kernel.py",), "bench_kda_decode", lambda d: ["--out", str(d / "kda_decode_bench.json")]),
+    "mla": (("test_mla_decode_kernel.py", "test_mla_cache_write.py"), "bench_mla_decode",
+            lambda d: ["--out", str(d / "mla_decode_bench.json")]),
+    "moe": (("test_moe_kernels.py",), "bench_moe", lambda d: ["--out", str(d / "moe_bench.json")]),
 }
 
 
@@ -53,9 +54,9 @@ def main(argv: list[str] | None = None) -> int:
     env = dict(os.environ, K3_EVIDENCE_DIR=str(out), PYTHONUNBUFFERED="1")
     rows = []
     for fam in args.only or FAMILIES:
-        test, bench, bench_args = FAMILIES[fam]
+        tests, bench, bench_args = FAMILIES[fam]
         t_rc, t_s = _run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
-                          f"{TESTS}/{test}"], env, args.timeout)
+                          *(f"{TESTS}/{t}" for t in tests)], env, args.timeout)
         b_rc, b_s = (None, 0.0) if args.tests_only else _run(
             [sys.executable, "-m", f"{BENCH}.{bench}", *bench_args(out)], env, args.timeout)
         rows.append((fam, t_rc, t_s, b_rc, b_s))
