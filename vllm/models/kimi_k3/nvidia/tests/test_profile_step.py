@@ -1,0 +1,37 @@
+"""The step profiler's table (benchmarks/profile_step.py): kernel names shortened and summed per step."""
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from vllm.models.kimi_k3.nvidia.benchmarks.profile_step import kernel_table, main, short_name
+
+CUDA, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+
+def _event(name, us, device=CUDA):
+    return SimpleNamespace(name=name, device_time=us, device_type=device)
+
+
+def test_short_names_drop_template_arguments_and_variant_hashes():
+    assert short_name("void at::native::vectorized_elementwise_kernel<4, Foo<float>>(int)") == \
+        "void at::native::vectorized_elementwise_kernel(int)"
+    assert short_name("kernel_cutlass__router_kernel_ptrf32gmem_0123456789abcdef_0") == \
+        "kernel_cutlass__router_kernel_ptrf32gmem"
+    assert len(short_name("k" * 200)) == 90
+
+
+def test_kernel_table_sums_each_kernel_per_step_and_ignores_host_events():
+    events = [_event("gemm_a1b2c3d4e5f6", 10.0), _event("gemm_ffffffffffff", 12.0), _event("router", 3.0),
+              _event("aten::mm", 100.0, CPU)] * 2  # two profiled steps
+    rows = kernel_table(events, steps=2)
+    assert [(r["kernel"], r["launches_per_step"], r["us_per_step"]) for r in rows] == [("gemm", 2, 22.0),
+                                                                                       ("router", 1, 3.0)]
+    assert abs(sum(r["share"] for r in rows) - 1.0) < 1e-9 and abs(rows[0]["share"] - 22 / 25) < 1e-9
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message a machine without a GPU gets")
+def test_without_a_gpu_it_says_so(capsys):
+    assert main(["--rows", "1"]) == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
