@@ -85,3 +85,26 @@ def run_steps(model: ReferenceModel, prompts: list[list[int]], steps: list[list[
             for r, k in zip(slots, accept[s]):
                 state.accept(r, k)
     return out, state
+
+
+def executor_rank_steps(coll, tp: int) -> tuple[list[bool], torch.Tensor]:
+    """One TP rank of the mini model through the executor (ReferenceOps, no graphs) and through
+    the reference on the same prompts: whether each decode / verify step's logits are equal bit
+    for bit, and the last step's (full-vocab) logits. `coll` joins the rank to its peers."""
+    from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import ReferenceOps
+    from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
+
+    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
+    m = mini_model(seed=0, tp=tp, rank=coll.rank, coll=coll)
+    ex = SpecializedDecode(m, max_requests=2, max_len=32, buckets=[(2, 1), (4, 2)], ops=ReferenceOps(),
+                           graphs=False, log=lambda _: None)
+    ref = m.new_state(max_requests=2, max_len=32, max_q=2)
+    slots = prefill(m, ex.state, prompts)
+    prefill(m, ref, prompts)
+    same = []
+    for q, ids in ((1, [7, 8]), (2, [1, 2, 3, 4]), (1, [5, 6])):
+        ids = torch.tensor(ids)
+        got = ex(ids, [ex.state.segment(r, j * q, q, prefill=False) for j, r in enumerate(slots)], ex.state)
+        want = m.logits(m.forward(ids, [ref.segment(r, j * q, q, prefill=False) for j, r in enumerate(slots)], ref))
+        same.append(torch.equal(got, want))
+    return same, got

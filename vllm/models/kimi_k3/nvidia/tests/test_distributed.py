@@ -7,6 +7,8 @@ What is checked, each against an independent computation:
 - the mini model at TP2 and TP4: dense-MLP variant bit-identical to the ThreadGroup run and
   within bf16 bounds of TP1 over prefill and decode; the MoE mini identical on every rank
   with the first prompt row tracking TP1 (routing flips later rows, test_model_reference);
+- the specialized executor (ReferenceOps, no graphs) at TP2 and TP4: each step equal to the
+  same rank's reference and to the ThreadGroup run, bit for bit;
 - the rank-agreement check catches a rank that took another path or sampled another token;
 - the torchrun command line end to end, against the in-process TP2 engine.
 
@@ -38,7 +40,7 @@ from vllm.models.kimi_k3.nvidia.latency_specialized.weights import RandomSource,
 from vllm.models.kimi_k3.nvidia.reference.collective import ThreadGroup
 from vllm.models.kimi_k3.nvidia.reference.model import ReferenceModel
 
-from ._util import mini_model, rel_err, run_steps
+from ._util import executor_rank_steps, mini_model, rel_err, run_steps
 
 ROOT = Path(__file__).resolve().parents[5]
 WORLD = 4
@@ -126,7 +128,8 @@ def _cpu_worker(rank: int, world: int, port: int, out_dir: str) -> None:
            "collectives": {4: _collectives(coll4), 2: _collectives(coll2)},
            "dense": {4: _dense_logits(coll4), 2: _dense_logits(coll2)},
            "moe": {4: _moe_prefill(coll4), 2: _moe_prefill(coll2)},
-           "divergence": _divergence_messages(coll4)}
+           "divergence": _divergence_messages(coll4),
+           "executor": {4: executor_rank_steps(coll4, 4), 2: executor_rank_steps(coll2, 2)}}
     torch.save(res, Path(out_dir) / f"rank{rank}.pt")
     dist.destroy_process_group()
 
@@ -241,6 +244,17 @@ def test_moe_mini_identical_on_every_rank_and_first_row_tracks_tp1(ranks, one_th
 
 
 # ---------------------------------------------------------------- rank agreement, launch errors
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_executor_over_processes_equals_the_reference_and_thread_group(ranks, one_thread, tp):
+    """The specialized executor's plumbing (ReferenceOps) with its collectives over gloo processes:
+    every step equals the same rank's reference bit for bit, and the logits equal the in-process
+    ThreadGroup run's on every rank."""
+    got = [ranks[r]["executor"][tp] for group in _groups(tp) for r in group]
+    assert all(all(same) for same, _ in got), [same for same, _ in got]
+    threads = ThreadGroup.run(tp, lambda coll: executor_rank_steps(coll, tp))
+    assert all(torch.equal(logits, threads[0][1]) for _, logits in got)
+
 
 def test_rank_agreement_check_names_the_diverging_rank(ranks):
     for r in ranks:

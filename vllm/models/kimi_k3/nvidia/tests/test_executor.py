@@ -12,7 +12,7 @@ from vllm.models.kimi_k3.nvidia.latency_specialized.engine import Engine, Reques
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import ExecutorError, SpecializedDecode, StepMeta
 from vllm.models.kimi_k3.nvidia.latency_specialized.sampler import SamplingParams
 
-from ._util import mini_model, prefill
+from ._util import executor_rank_steps, mini_model, prefill
 
 BUCKETS = [(1, 1), (2, 1), (4, 1), (8, 1), (8, 2), (16, 8)]
 
@@ -180,26 +180,12 @@ def test_engine_counts_the_kernels_of_every_specialized_step(model):
 @pytest.mark.parametrize("tp", [2, 4])
 def test_tensor_parallel_ranks_equal_the_reference_ranks(tp):
     """Each rank's executor, meeting its peers in the collectives, gives that rank's reference
-    logits bit for bit: the executor reduces and gathers exactly where the reference does."""
+    logits bit for bit: the executor reduces and gathers exactly where the reference does.
+    (tests/test_distributed.py runs the same across gloo processes.)"""
     from vllm.models.kimi_k3.nvidia.reference.collective import ThreadGroup
 
-    prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
-
     def rank(coll):
-        m = mini_model(seed=0, tp=tp, rank=coll.rank, coll=coll)
-        ex = SpecializedDecode(m, max_requests=2, max_len=32, buckets=[(2, 1), (4, 2)], ops=ReferenceOps(),
-                               graphs=False, log=lambda _: None)
-        ref = m.new_state(max_requests=2, max_len=32, max_q=2)
-        slots = prefill(m, ex.state, prompts)
-        prefill(m, ref, prompts)
-        same = []
-        for q, ids in ((1, [7, 8]), (2, [1, 2, 3, 4]), (1, [5, 6])):
-            ids = torch.tensor(ids)
-            got = ex(ids, [ex.state.segment(r, j * q, q, prefill=False) for j, r in enumerate(slots)], ex.state)
-            want = m.logits(m.forward(ids, [ref.segment(r, j * q, q, prefill=False) for j, r in enumerate(slots)],
-                                      ref))
-            same.append(torch.equal(got, want))
-        return same, got
+        return executor_rank_steps(coll, tp)
 
     out = ThreadGroup.run(tp, rank)
     assert all(all(same) for same, _ in out), [same for same, _ in out]
