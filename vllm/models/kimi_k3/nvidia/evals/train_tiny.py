@@ -328,12 +328,12 @@ class Batches:
     """The run's batches in step order, built `tc.workers` processes ahead of the training loop
     (the GPU step of the tiny model is shorter than building its 65 k tokens in Python)."""
 
-    def __init__(self, tc: TrainConfig, device: torch.device | str, start: int = 0):
-        self.tc, self.device, self.next = tc, device, start
+    def __init__(self, tc: TrainConfig, device: torch.device | str):
+        self.tc, self.device, self.next = tc, device, 0
         # spawn: the workers import no CUDA state, whatever the parent has initialized
         self.pool = (ProcessPoolExecutor(tc.workers, mp_context=multiprocessing.get_context("spawn"))
                      if tc.workers else None)
-        self.pending = [self.pool.submit(sequences, s, tc) for s in range(start, min(tc.steps, start + 2 * tc.workers))
+        self.pending = [self.pool.submit(sequences, s, tc) for s in range(min(tc.steps, 2 * tc.workers))
                         ] if self.pool else []
 
     def __iter__(self):
