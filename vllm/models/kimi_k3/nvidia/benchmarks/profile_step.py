@@ -42,8 +42,9 @@ def kernel_table(events, steps: int) -> list[dict]:
     total: dict[str, float] = defaultdict(float)
     for e in events:
         if e.device_type == torch.autograd.DeviceType.CUDA:
-            calls[short_name(e.name)] += 1
-            total[short_name(e.name)] += e.device_time
+            name = short_name(e.name)
+            calls[name] += 1
+            total[name] += e.device_time
     rows = [{"kernel": k, "launches_per_step": calls[k] / steps, "us_per_step": total[k] / steps} for k in total]
     rows.sort(key=lambda r: -r["us_per_step"])
     busy = sum(r["us_per_step"] for r in rows)

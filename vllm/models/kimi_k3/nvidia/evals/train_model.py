@@ -63,20 +63,12 @@ def _round(x: torch.Tensor, dtype: torch.dtype = BF16) -> torch.Tensor:
 
 def _linear(x: torch.Tensor, w: torch.Tensor, out: torch.dtype = BF16) -> torch.Tensor:
     """x·wᵀ from bf16 operands, accumulated in w's (master) dtype or a bf16 tensor-core GEMM's
-    fp32, rounded once to `out`; returned in w's dtype."""
-    xb, wb = x.to(BF16), w.to(BF16)
+    fp32, rounded once to `out`; returned in w's dtype. A stack of weights w [E, M, K] gives
+    every expert's product at once: [E, N, M] for x [N, K]."""
+    xb, wt = x.to(BF16), w.to(BF16).transpose(-1, -2)
     if x.is_cuda and out == BF16:
-        return F.linear(xb, wb).to(w.dtype)
-    return (xb.to(w.dtype) @ wb.to(w.dtype).t()).to(out).to(w.dtype)
-
-
-def _bmm_t(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [N, K] or [E, N, K] times each of E matrices w [E, M, K] transposed -> [E, N, M]; the
-    rounding of `_linear`, per expert."""
-    xb, wb = x.to(BF16), w.to(BF16)
-    if x.is_cuda:
-        return torch.matmul(xb, wb.transpose(-1, -2)).to(w.dtype)
-    return (xb.to(w.dtype) @ wb.to(w.dtype).transpose(-1, -2)).to(BF16).to(w.dtype)
+        return torch.matmul(xb, wt).to(w.dtype)
+    return (xb.to(w.dtype) @ wt.to(w.dtype)).to(out).to(w.dtype)
 
 
 def _rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -331,8 +323,8 @@ class TrainModel(nn.Module):
         # its gradient is exactly zero, as in the sparse form.
         stack = [torch.stack([self.w(f"{b}experts.{e}.{n}.weight") for e in range(cfg.num_experts)])
                  for n in ("w1", "w3", "w2")]  # [E, I, R], [E, I, R], [E, R, I]
-        hidden = _situ(_bmm_t(x_lat, stack[0]), _bmm_t(x_lat, stack[1]), *self._clips())  # [E, N, I]
-        expert_out = _bmm_t(hidden, stack[2])  # [E, N, R]
+        hidden = _situ(_linear(x_lat, stack[0]), _linear(x_lat, stack[1]), *self._clips())  # [E, N, I]
+        expert_out = _linear(hidden, stack[2])  # [E, N, R]
         picked = expert_out.permute(1, 0, 2).gather(1, ids[..., None].expand(-1, -1, expert_out.shape[-1]))
         y = _round((weights.unsqueeze(-1) * picked).sum(1))
         if cfg.latent_moe_use_norm:

@@ -206,11 +206,10 @@ def optimizer(model: TrainModel, tc: TrainConfig, capturable: bool = False) -> t
     named = list(model.named_parameters())
     device = named[0][1].device
     lr = torch.tensor(tc.lr, device=device) if capturable else tc.lr
-    opt = torch.optim.AdamW([{"params": [p for n, p in named if decayed(n, p)], "weight_decay": tc.weight_decay},
-                             {"params": [p for n, p in named if not decayed(n, p)], "weight_decay": 0.0}],
-                            lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda",
-                            capturable=capturable)
-    return opt
+    return torch.optim.AdamW([{"params": [p for n, p in named if decayed(n, p)], "weight_decay": tc.weight_decay},
+                              {"params": [p for n, p in named if not decayed(n, p)], "weight_decay": 0.0}],
+                             lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=device.type == "cuda",
+                             capturable=capturable)
 
 
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
@@ -274,11 +273,11 @@ class GraphedStep:
         with torch.no_grad():
             for p, p0 in zip(self.model.parameters(), saved[0]):
                 p.copy_(p0)
-            for st in self.opt.state.values():
-                for key, t in st.items():
-                    if torch.is_tensor(t):
-                        # state the warm-up created starts from zero, as a first real step expects
-                        t.copy_(saved[1][id(t)]) if id(t) in saved[1] else t.zero_()
+            for t in (t for st in self.opt.state.values() for t in st.values() if torch.is_tensor(t)):
+                if id(t) in saved[1]:
+                    t.copy_(saved[1][id(t)])
+                else:  # state the warm-up created starts from zero, as a first real step expects
+                    t.zero_()
         self.opt.zero_grad(set_to_none=True)
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
