@@ -7,6 +7,8 @@ import math
 import torch
 
 from vllm.models.kimi_k3.nvidia.latency_specialized.config import preset
+from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import ReferenceOps
+from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.latency_specialized.weights import RandomSource, load_rank
 from vllm.models.kimi_k3.nvidia.reference.model import ReferenceModel
 
@@ -91,9 +93,6 @@ def executor_rank_steps(coll, tp: int) -> tuple[list[bool], torch.Tensor]:
     """One TP rank of the mini model through the executor (ReferenceOps, no graphs) and through
     the reference on the same prompts: whether each decode / verify step's logits are equal bit
     for bit, and the last step's (full-vocab) logits. `coll` joins the rank to its peers."""
-    from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import ReferenceOps
-    from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
-
     prompts = [[3, 1, 4, 1, 5], [9, 2, 6]]
     m = mini_model(seed=0, tp=tp, rank=coll.rank, coll=coll)
     ex = SpecializedDecode(m, max_requests=2, max_len=32, buckets=[(2, 1), (4, 2)], ops=ReferenceOps(),

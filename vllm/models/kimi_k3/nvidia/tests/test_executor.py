@@ -11,6 +11,7 @@ from vllm.models.kimi_k3.nvidia.latency_specialized.deployment import StepFacts
 from vllm.models.kimi_k3.nvidia.latency_specialized.engine import Engine, Request
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import ExecutorError, SpecializedDecode, StepMeta
 from vllm.models.kimi_k3.nvidia.latency_specialized.sampler import SamplingParams
+from vllm.models.kimi_k3.nvidia.reference.collective import ThreadGroup
 
 from ._util import executor_rank_steps, mini_model, prefill
 
@@ -182,11 +183,6 @@ def test_tensor_parallel_ranks_equal_the_reference_ranks(tp):
     """Each rank's executor, meeting its peers in the collectives, gives that rank's reference
     logits bit for bit: the executor reduces and gathers exactly where the reference does.
     (tests/test_distributed.py runs the same across gloo processes.)"""
-    from vllm.models.kimi_k3.nvidia.reference.collective import ThreadGroup
-
-    def rank(coll):
-        return executor_rank_steps(coll, tp)
-
-    out = ThreadGroup.run(tp, rank)
+    out = ThreadGroup.run(tp, lambda coll: executor_rank_steps(coll, tp))
     assert all(all(same) for same, _ in out), [same for same, _ in out]
     assert all(torch.equal(out[0][1], o[1]) for o in out[1:])  # every rank holds the full-vocab logits
