@@ -1,0 +1,111 @@
+"""The executor at K3's full depth: all 93 layers of a TP16 rank-0 shard, long runs (#8, form b).
+
+- Dense form (K3's dense SiTU MLP in every layer: with random weights, top-16 routing turns
+  bf16-sized differences into O(0.3) logit changes, which would hide drift; PARITY_* in
+  benchmarks/decode_latency.py): 2048 steps at rows 1 and 256 verify steps at rows 8 (q 8),
+  logits compared every step. The eager reference takes ~0.3 s a step at this depth, so the
+  long runs compare against the standard table captured in a CUDA graph (`TorchOps`), and a
+  16-step anchor first checks both graphed paths against the eager one with decode_latency's
+  rule. Bounds: the long run's median error may not exceed what the anchor allows the two paths
+  together (1.5 x (spec-vs-eager + graphed-vs-eager) + 0.02), and its last quarter may not exceed
+  3x its first (no growth with steps).
+- MoE form (experts cut to 32, top-16 routing kept): every op of one step at every layer,
+  kernel against reference on identical inputs (`op_parity.ComparedOps`).
+"""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (FULL_LAYERS, PARITY_OP_REL, PARITY_VS_BASELINE,
+                                                                    SOURCES, copy_state, fill_state, k3_block, parity,
+                                                                    parity_status)
+from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import KernelOps, ReferenceOps
+from vllm.models.kimi_k3.nvidia.latency_specialized.evidence import write_record
+from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
+from vllm.models.kimi_k3.nvidia.latency_specialized.op_parity import ComparedOps
+from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import TorchOps
+
+CONTEXT = 1000
+RUNS = {(1, 1): 2048, (8, 8): 256}  # bucket -> steps of the long run
+ANCHOR_STEPS = 16
+MAX_LEN = CONTEXT + max(steps * q for (_, q), steps in RUNS.items()) + ANCHOR_STEPS * 8 + 8
+RESULTS: list[dict] = []
+
+
+@pytest.fixture(scope="module", autouse=True)
+def record():
+    yield
+    out = os.environ.get("K3_EVIDENCE_DIR")
+    if out and RESULTS:
+        write_record(Path(out) / "executor_depth_parity.json", "parity", "executor",
+                     "pytest -m gpu vllm/models/kimi_k3/nvidia/tests/test_executor_depth.py",
+                     [*SOURCES, "vllm/models/kimi_k3/nvidia/latency_specialized/op_parity.py",
+                      "vllm/models/kimi_k3/nvidia/tests/test_executor_depth.py"], RESULTS)
+
+
+class _AsModel:
+    """An executor in the shape `parity` calls the eager model in, so it can be the comparator."""
+
+    def __init__(self, ex: SpecializedDecode):
+        self.ex, self.w = ex, ex.w
+
+    def forward(self, ids, segments, state):
+        return self.ex(ids, segments, state)
+
+    def logits(self, x):
+        return x
+
+
+@pytest.fixture(scope="module")
+def dense():
+    model = k3_block(16, layers=FULL_LAYERS, dense=True)
+    kw = dict(max_requests=1, max_len=MAX_LEN, buckets=list(RUNS))
+    return model, SpecializedDecode(model, ops=KernelOps(), **kw), SpecializedDecode(model, ops=TorchOps(), **kw)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows, q", list(RUNS))
+def test_long_runs_at_full_depth_do_not_drift(dense, rows, q):
+    model, spec, graphed = dense
+    for ex in (spec, graphed):
+        ex.state.free(0)
+    slots = fill_state(spec.state, rows // q, CONTEXT, torch.Generator(device="cuda").manual_seed(rows))
+    graphed.state.allocate()
+    copy_state(graphed.state, spec.state)
+    eager = model.new_state(max_requests=1, max_len=MAX_LEN, max_q=spec.state.max_q)
+    gen = torch.Generator(device="cuda").manual_seed(7)
+    # anchor: both graphed paths against eager from the same state (parity copies it over first)
+    anchor = {name: parity(model, ex, eager, slots, q, ANCHOR_STEPS, gen)
+              for name, ex in (("specialized", spec), ("standard_graphed", graphed))}
+    # the long run: specialized against the graphed standard table, from the state the anchor left
+    run = parity(_AsModel(graphed), spec, graphed.state, slots, q, RUNS[(rows, q)], gen)
+    bound = PARITY_VS_BASELINE * (anchor["specialized"]["rel_err_median"]
+                                  + anchor["standard_graphed"]["rel_err_median"]) + 0.02
+    grows = run["rel_err_last_quarter"] > 3 * max(run["rel_err_first_quarter"], 1e-3)
+    ok = parity_status(anchor) == "pass" and run["rel_err_median"] <= bound and not grows
+    RESULTS.append({"name": f"{FULL_LAYERS}-layer dense rows{rows} q{q} ctx{CONTEXT}: {run['steps']} steps vs graphed "
+                    "standard", "status": "pass" if ok else "fail", "bound_rel_err_median": bound,
+                    "anchor_vs_eager": anchor, **run})
+    assert parity_status(anchor) == "pass", anchor
+    assert run["rel_err_median"] <= bound, (run, bound)
+    assert not grows, run
+
+
+@pytest.mark.gpu
+def test_every_kernel_matches_its_reference_op_at_every_layer():
+    model = k3_block(16, layers=FULL_LAYERS, experts=32)
+    ops = ComparedOps(KernelOps(), ReferenceOps())
+    ex = SpecializedDecode(model, max_requests=4, max_len=CONTEXT + 8, buckets=[(4, 1)], ops=ops, graphs=False)
+    slots = fill_state(ex.state, 4, CONTEXT, torch.Generator(device="cuda").manual_seed(11))
+    ops.report.clear()
+    ids = torch.randint(0, model.w.lm_head.shape[0], (4,), device="cuda")
+    ex(ids, [ex.state.segment(r, j, 1, prefill=False) for j, r in enumerate(slots)], ex.state)
+    bad = [(op, i, err) for op, i, err in ops.report
+           if (err < 0.99 if op == "route.ids_equal" else not err <= PARITY_OP_REL)]
+    errs = [err for op, _, err in ops.report if op != "route.ids_equal"]
+    RESULTS.append({"name": f"{FULL_LAYERS}-layer moe (32 experts, top-16) rows4: per-op kernel vs reference",
+                    "ops_compared": len(errs), "worst_op_rel_err": max(errs), "status": "fail" if bad else "pass"})
+    assert not bad, bad
