@@ -1,6 +1,6 @@
 """`k3-decode`: generate text with the K3 decoder, and show the backend's scope verdict.
 
-    k3-decode generate --config mini --prompt "Hello" --max-tokens 32 [--temperature T]
+    k3-decode generate --prompt "get k1:" --max-tokens 32 [--config tiny|mini|k3|PATH] [--temperature T]
     torchrun --nproc-per-node 4 -m vllm.models.kimi_k3.nvidia.latency_specialized generate --tp 4 ...
     k3-decode scope [--gpu GB300 --tp 16 --max-model-len 262144 --spec dspark:7]
     k3-decode eval [--config tiny --tasks ... --lengths ...]   (long-context evals, both paths)
@@ -25,10 +25,11 @@ from .distributed import add_tp_arguments, tp_generate
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
     g = sub.add_parser("generate", help="generate text from a prompt")
-    g.add_argument("--config", default="mini",
-                   help="preset name (mini, k3) or a config.json path; default: mini")
+    g.add_argument("--config", default="tiny",
+                   help="tiny (the shipped trained checkpoint; default), mini, k3, or a config.json path")
     g.add_argument("--weights", default=None,
-                   help="safetensors file or directory; default: seeded random weights")
+                   help="safetensors file or directory; default: the shipped checkpoint for tiny, "
+                        "seeded random weights otherwise")
     g.add_argument("--seed", type=int, default=0, help="seed of the random weights and of sampling")
     g.add_argument("--prompt", action="append", required=True,
                    help="prompt text (repeat for a batch of requests)")
@@ -67,6 +68,20 @@ def _executor_for(model, dispatcher, requests: int, max_len: int):
     return executor
 
 
+def _weights_source(args: argparse.Namespace, cfg):
+    """--weights, else the shipped tiny checkpoint for `--config tiny`, else seeded random weights."""
+    from ..evals.tiny import TINY_DIR, has_checkpoint
+    from .weights import RandomSource, SafetensorsSource
+
+    if args.weights:
+        return SafetensorsSource(args.weights)
+    if args.config == "tiny" and has_checkpoint():
+        return SafetensorsSource(TINY_DIR)
+    print(f"[k3-decode] config {cfg.name}: no checkpoint given, seeded random weights (seed {args.seed}); "
+          "the text will be noise", file=sys.stderr)
+    return RandomSource(cfg, seed=args.seed)
+
+
 def _generate(args: argparse.Namespace) -> int:
     from ..reference.model import ReferenceModel
     from .deployment import Deployment
@@ -75,7 +90,7 @@ def _generate(args: argparse.Namespace) -> int:
     from .options import BackendOptions
     from .sampler import SamplingParams
     from .tokenizer import ByteTokenizer
-    from .weights import RandomSource, SafetensorsSource, load_rank
+    from .weights import load_rank
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("error: --device cuda asked for, but no CUDA device is present; use --device cpu",
@@ -99,7 +114,7 @@ def _generate(args: argparse.Namespace) -> int:
                             seed=args.seed, max_tokens=args.max_tokens, stop_token_ids=(tok.EOS,))
     requests = [Request(p, params) for p in prompts]
     t0 = time.perf_counter()
-    source = SafetensorsSource(args.weights) if args.weights else RandomSource(cfg, seed=args.seed)
+    source = _weights_source(args, cfg)
     tp_note = ""
     if args.tp > 1:
         run = tp_generate(cfg, source, requests, tp=args.tp, options=options, max_len=max_len,

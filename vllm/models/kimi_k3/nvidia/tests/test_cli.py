@@ -31,6 +31,16 @@ def test_generate_with_backend_on_cpu_explains_fallback(capsys, caplog):
     assert any("no CUDA device present" in r.getMessage() for r in caplog.records)
 
 
+def test_generate_defaults_to_the_tiny_checkpoint(capsys):
+    from vllm.models.kimi_k3.nvidia.evals.tiny import has_checkpoint
+
+    assert main(["generate", "--prompt", "get k1:", "--max-tokens", "3"]) == 0
+    out, err = capsys.readouterr()
+    assert "config tiny" in out
+    # the shipped weights when they exist, else random ones and a line saying so
+    assert ("seeded random weights" in err) != has_checkpoint()
+
+
 def test_bad_inputs_are_clear_errors(capsys):
     assert main(["generate", "--config", "nope", "--prompt", "x"]) == 2
     assert "unknown config 'nope'" in capsys.readouterr().err
