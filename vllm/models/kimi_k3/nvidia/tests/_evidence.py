@@ -1,4 +1,4 @@
-"""The kernel-test record a GPU test module leaves behind when K3_EVIDENCE_DIR is set."""
+"""The record a GPU test module leaves behind when K3_EVIDENCE_DIR is set: kernel-test or parity."""
 
 from __future__ import annotations
 
@@ -21,4 +21,15 @@ def record_kernel_test(filename: str, family: str, test_file: str, sources: Sequ
                  targets=[{"name": target, "target": "all pass", "value": sum(passed) / len(passed),
                            "met": all(passed)}],
                  extra=extra)
+    return path
+
+
+def record_parity(filename: str, family: str, test_file: str, sources: Sequence[str],
+                  results: list[dict]) -> str | None:
+    """Write `results` as one parity record into $K3_EVIDENCE_DIR; returns its path (None: not asked)."""
+    where = os.environ.get("K3_EVIDENCE_DIR")
+    if not (where and results):
+        return None
+    path = os.path.join(where, filename)
+    write_record(path, "parity", family, f"pytest -m gpu {test_file}", [*sources, test_file], results)
     return path

@@ -13,9 +13,6 @@
   kernel against reference on identical inputs (`op_parity.ComparedOps`).
 """
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -23,10 +20,10 @@ from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (FULL_LAYERS, P
                                                                     SOURCES, copy_state, fill_state, k3_block, parity,
                                                                     parity_status)
 from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import KernelOps, ReferenceOps
-from vllm.models.kimi_k3.nvidia.latency_specialized.evidence import write_record
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.latency_specialized.op_parity import ComparedOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import TorchOps
+from vllm.models.kimi_k3.nvidia.tests._evidence import record_parity
 
 CONTEXT = 1000
 RUNS = {(1, 1): 2048, (8, 8): 256}  # bucket -> steps of the long run
@@ -38,12 +35,8 @@ RESULTS: list[dict] = []
 @pytest.fixture(scope="module", autouse=True)
 def record():
     yield
-    out = os.environ.get("K3_EVIDENCE_DIR")
-    if out and RESULTS:
-        write_record(Path(out) / "executor_depth_parity.json", "parity", "executor",
-                     "pytest -m gpu vllm/models/kimi_k3/nvidia/tests/test_executor_depth.py",
-                     [*SOURCES, "vllm/models/kimi_k3/nvidia/latency_specialized/op_parity.py",
-                      "vllm/models/kimi_k3/nvidia/tests/test_executor_depth.py"], RESULTS)
+    record_parity("executor_depth_parity.json", "executor", "vllm/models/kimi_k3/nvidia/tests/test_executor_depth.py",
+                  [*SOURCES, "vllm/models/kimi_k3/nvidia/latency_specialized/op_parity.py"], RESULTS)
 
 
 class _AsModel:
