@@ -3,7 +3,7 @@
     fast-track check [--base REF] [--model DIR] [--report FILE]
     fast-track render-evidence [--model DIR] --out FILE
     fast-track record-coverage --coverage FILE --out FILE --command CMD [--model DIR]
-    fast-track record-sanitizer --out FILE --source PATH [--source ...] [--tool T ...] -- CMD...
+    fast-track record-sanitizer --out FILE --source PATH [--source ...] [--tool T ...] [--kernel-name S] -- CMD...
 
 `check` prints the markdown review and writes it to --report too (e.g.
 $GITHUB_STEP_SUMMARY); exit 0 only when every automatic item holds, 1 when one does not,
@@ -51,6 +51,8 @@ def _parser() -> argparse.ArgumentParser:
                           help="repository-relative kernel file the command exercises (repeat)")
     sanitize.add_argument("--tool", action="append", dest="tools",
                           help=f"compute-sanitizer tool (repeat; default: {', '.join(DEFAULT_TOOLS)})")
+    sanitize.add_argument("--kernel-name", default=None, metavar="SUBSTRING",
+                          help="check only kernels whose name contains SUBSTRING (default: every kernel)")
     sanitize.add_argument("run", nargs=argparse.REMAINDER, help="-- then the command to run")
     return parser
 
@@ -77,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "record-sanitizer":
             command = args.run[1:] if args.run[:1] == ["--"] else args.run
             record = record_sanitizer(root, args.out.resolve(), args.sources,
-                                      args.tools or list(DEFAULT_TOOLS), command)
+                                      args.tools or list(DEFAULT_TOOLS), command, kernel_name=args.kernel_name)
             verdicts = ", ".join(f"{r['name']} {r['status']}" for r in record["results"])
             print(f"wrote {args.out}: {verdicts}")
             return 0 if all(r["status"] == "pass" for r in record["results"]) else 1

@@ -70,3 +70,22 @@ def test_record_sanitizer_runs_each_tool_and_the_item_accepts_the_record(repo, t
     assert review_items(repo.root)["sanitizer"].status == FAIL
     assert main([*args[:5], "--tool", "racecheck", "--", "true"]) == 0
     assert review_items(repo.root)["sanitizer"].status == PASS
+
+
+def test_kernel_name_filter_reaches_compute_sanitizer_and_the_record(repo, tmp_path, monkeypatch):
+    # a stand-in compute-sanitizer that logs its arguments and reports a clean run
+    log = tmp_path / "argv"
+    fake = tmp_path / "bin" / "compute-sanitizer"
+    fake.parent.mkdir()
+    fake.write_text(f'#!/bin/sh\necho "$@" >> {log}\n'
+                    'echo "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"\n')
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
+    monkeypatch.chdir(repo.root)
+    assert main(["record-sanitizer", "--out", SANITIZER, "--source", KERNEL, "--tool", "racecheck",
+                 "--kernel-name", "_reduce_kernel", "--", "true"]) == 0
+    assert log.read_text().split() == ["--kernel-name", "kns=_reduce_kernel", "--tool", "racecheck",
+                                       "--error-exitcode", "1", "true"]
+    record = json.loads((repo.root / SANITIZER).read_text())
+    assert record["kernels_checked"] == "names containing '_reduce_kernel'"
+    assert record["command"].startswith("compute-sanitizer --kernel-name kns=_reduce_kernel --tool {racecheck}")
