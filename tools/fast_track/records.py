@@ -1,9 +1,10 @@
 """The common head of the evidence records fast-track writes itself (ARCHITECTURE §7).
 
 What ran and where: kind, family, command, the GPU, compute capability and driver (from
-nvidia-smi; "none" without it, and the tools never import torch), the git commit (from
-the checkout, else $FAST_TRACK_COMMIT or $GITHUB_SHA: a copy of the tree on a GPU
-machine may have no .git), and the sources with their hash as evidence.py computes it,
+nvidia-smi; "none" without it, and the tools never import torch), the git commit
+($FAST_TRACK_COMMIT when set: a copy of the tree on a GPU machine may have no .git, or
+one that points at an older commit than its files; else the checkout's HEAD, else
+$GITHUB_SHA), and the sources with their hash as evidence.py computes it,
 plus per-file `source_hashes` so a stale record names the file that changed.
 """
 
@@ -32,7 +33,9 @@ def gpu_facts() -> tuple[str, str, str]:
 
 
 def commit(root: Path) -> str:
-    fallback = os.environ.get("FAST_TRACK_COMMIT") or os.environ.get("GITHUB_SHA") or "unknown"
+    if os.environ.get("FAST_TRACK_COMMIT"):
+        return os.environ["FAST_TRACK_COMMIT"]
+    fallback = os.environ.get("GITHUB_SHA") or "unknown"
     try:
         return commit_of(root, "HEAD") or fallback
     except GitError:

@@ -30,6 +30,7 @@ from .records import record_head, write_json
 DEFAULT_TOOLS = ("racecheck", "synccheck")
 # memcheck/synccheck end with "ERROR SUMMARY: N errors"; racecheck with
 # "RACECHECK SUMMARY: H hazards displayed (N errors, W warnings)"
+_SITE = re.compile(r"access at (\S+?)\+0x")
 _SUMMARY = re.compile(r"ERROR SUMMARY:\s*(\d+)\s+error|RACECHECK SUMMARY:\s*\d+\s+hazards? displayed\s*\((\d+)\s+error")
 
 
@@ -44,8 +45,10 @@ def run_tool(tool: str, command: list[str], timeout_s: int, kernel_name: str | N
     counts = [int(a or b) for a, b in _SUMMARY.findall(text)]
     errors = sum(counts) if counts else None
     status = "pass" if out.returncode == 0 and errors == 0 else "fail"
+    # which kernels the reports are in ("... access at <kernel>+0x...": the tail alone may not say)
+    sites = sorted(set(_SITE.findall(text)))
     return {"name": tool, "status": status, "errors": errors, "exit_code": out.returncode,
-            "tail": text.strip().splitlines()[-5:]}
+            "reported_in": sites, "tail": text.strip().splitlines()[-5:]}
 
 
 def record_sanitizer(root: Path, out: Path, sources: list[str], tools: list[str],

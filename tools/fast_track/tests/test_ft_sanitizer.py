@@ -78,6 +78,7 @@ def test_kernel_name_filter_reaches_compute_sanitizer_and_the_record(repo, tmp_p
     fake = tmp_path / "bin" / "compute-sanitizer"
     fake.parent.mkdir()
     fake.write_text(f'#!/bin/sh\necho "$@" >> {log}\n'
+                    'echo "=========     Write access at _reduce_kernel_0+0x3200 [4 hazards]"\n'
                     'echo "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"\n')
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
@@ -88,4 +89,5 @@ def test_kernel_name_filter_reaches_compute_sanitizer_and_the_record(repo, tmp_p
                                        "--error-exitcode", "1", "true"]
     record = json.loads((repo.root / SANITIZER).read_text())
     assert record["kernels_checked"] == "names containing '_reduce_kernel'"
+    assert record["results"][0]["reported_in"] == ["_reduce_kernel_0"]
     assert record["command"].startswith("compute-sanitizer --kernel-name kns=_reduce_kernel --tool {racecheck}")
