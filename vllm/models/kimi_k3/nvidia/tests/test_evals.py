@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from vllm.models.kimi_k3.nvidia.evals import harness, tasks
-from vllm.models.kimi_k3.nvidia.evals.tiny import TINY
+from vllm.models.kimi_k3.nvidia.evals.tiny import TINY, TINY_DIR, has_checkpoint
 from vllm.models.kimi_k3.nvidia.evals.train_model import TrainModel, chunked_delta_rule
 from vllm.models.kimi_k3.nvidia.evals.train_tiny import (Batches, DictSource, GraphedStep, TrainConfig, batch,
                                                           optimizer, save, sequence, set_lr, train_step,
@@ -235,6 +235,22 @@ def test_eval_cli_runs_and_explains_a_missing_checkpoint(tmp_path, capsys):
     assert "--random-weights" in capsys.readouterr().err
     assert cli.main(["eval", "--config", "mini", "--random-weights", "0", "--lengths", "5"]) == 2
     assert "too short" in capsys.readouterr().err
+
+
+def test_the_shipped_tiny_checkpoint_retrieves_keys_from_a_long_context(tmp_path):
+    """The committed checkpoint, loaded like the real one, on both paths at 1K (CPU): the kv task
+    (two values asked by key from ~170 key=value lines) well above chance (0: five random digits
+    each); the 1K and 4K figures of every task are in evidence/cpu/eval_tiny.json."""
+    from vllm.models.kimi_k3.nvidia.evals import cli
+
+    assert has_checkpoint(), f"the tiny checkpoint is missing from {TINY_DIR}"
+    out = tmp_path / "e.json"
+    assert cli.main(["eval", "--tasks", "kv", "--lengths", "1024", "--samples", "4", "--logit-samples", "0",
+                     "--parity-runs", "0", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    accuracy = {r["path"]: r["accuracy"] for r in record["results"] if "accuracy" in r}
+    assert accuracy["standard"] >= 0.75 and accuracy["specialized"] == accuracy["standard"], accuracy
+    assert all(t["met"] for t in record["targets"]), record["targets"]
 
 
 # ---------------------------------------------------------------------- the training model
