@@ -67,16 +67,26 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
+def _shown(path: Path) -> str:
+    """A path as records and tables show it: relative to the repository when inside it."""
+    from ..latency_specialized.evidence import REPO_ROOT
+
+    try:
+        return str(path.resolve().relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
 def _source(args: argparse.Namespace, cfg: K3TextConfig):
     from ..latency_specialized.weights import RandomSource, SafetensorsSource
 
     if args.random_weights is not None:
         return RandomSource(cfg, seed=args.random_weights), f"random seed {args.random_weights}"
     if args.weights:
-        return SafetensorsSource(args.weights), args.weights
+        return SafetensorsSource(args.weights), _shown(Path(args.weights))
     if args.config == "tiny" and has_checkpoint():
         path = TINY_DIR / "model.safetensors"
-        return SafetensorsSource(path), str(path)
+        return SafetensorsSource(path), _shown(path)
     raise ConfigError(
         f"no weights for config {cfg.name}: pass --weights PATH, or --random-weights SEED to check "
         f"the wiring only (the tiny checkpoint is not in {TINY_DIR} yet: train it with "

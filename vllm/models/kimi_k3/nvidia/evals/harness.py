@@ -339,8 +339,9 @@ def measured_sources(extra: Sequence[str | Path] = ()) -> list[str]:
     if executor.exists():
         files.append(executor)
     out = [rel(f) for f in files]
-    for p in extra:
-        path = Path(p).resolve()
+    for p in extra:  # absolute, or relative to the repository (as `cli` shows paths inside it)
+        path = Path(p) if Path(p).is_absolute() else REPO_ROOT / p
+        path = path.resolve()
         if path.is_file() and REPO_ROOT in path.parents:
             out.append(rel(path))
     return sorted(set(out))
@@ -391,4 +392,6 @@ def table(record: dict) -> str:
             lines.append(f"\nsampling parity: {r['runs']} runs, {r['steps']} steps, max TV {r['tv_max']:.3g} "
                          f"(bound {TV_BOUND}), identical runs {r['identical_runs']:.2f} (gate {SAME_SAMPLES}): "
                          f"{r['status']}")
+    if record.get("note"):
+        lines.append(f"\nNote: {record['note']}.")
     return "\n".join(lines)
