@@ -247,7 +247,7 @@ def run_tasks(paths: Paths, spec: EvalSpec, progress: Progress | None = None) ->
                 acc[path] = (mean, se)
                 results.append({
                     "name": f"{task}@{length}/{path}", "status": "pass", "task": task, "length": length,
-                    "path": path, "n": len(samples), "metric": PRIMARY[task], "accuracy": mean, "stderr": se,
+                    "path": path, "shape": {"context": length}, "n": len(samples), "metric": PRIMARY[task], "accuracy": mean, "stderr": se,
                     "exact": sum(sc.exact for sc in scores) / len(scores),
                     "similarity": sum(sc.similarity for sc in scores) / len(scores),
                 })
