@@ -75,6 +75,18 @@ class K3DecodeLM(LM):
         model = ReferenceModel(cfg, load_rank(source, cfg, device=device))
         self.paths = Paths(model, default_deployment(cfg.max_position_embeddings))
 
+    @classmethod
+    def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> "K3DecodeLM":
+        # lm-eval passes its own --device / --batch_size here too; what model_args name wins
+        extra = {k: v for k, v in (additional_config or {}).items() if v is not None and k not in arg_dict}
+        return cls(**arg_dict, **extra)
+
+    @classmethod
+    def create_from_arg_string(cls, arg_string: str, additional_config: dict | None = None) -> "K3DecodeLM":
+        from lm_eval.utils import simple_parse_args_string
+
+        return cls.create_from_arg_obj(simple_parse_args_string(arg_string), additional_config)
+
     def _fits(self, n: int) -> None:
         if n > self.cfg.max_position_embeddings:
             raise ValueError(f"k3-decode: a request of {n} tokens exceeds the model's "

@@ -4,13 +4,15 @@
 
 One file per task, `DIR/k3_<task>_synthetic.jsonl`, one sample a line: `prompt` (the text
 after BOS: the adapter's tokenizer adds BOS back), `answer`, `task`, `length`, `seed`.
-`lm_eval_tasks/utils.py` reads them from `$K3_EVAL_DATA`, else from `DATA_DIR`.
+`lm_eval_tasks/utils.py` reads them from `$K3_EVAL_DATA`, else from `DATA_DIR`; `--out`
+defaults to the same folder, so the two meet without flags.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -41,7 +43,8 @@ def write(folder: str | Path = DATA_DIR, *, tasks: tuple[str, ...] = tuple(TASKS
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="lm_eval_data", description=__doc__.split("\n")[0])
-    ap.add_argument("--out", default=str(DATA_DIR))
+    ap.add_argument("--out", default=os.environ.get("K3_EVAL_DATA", str(DATA_DIR)),
+                    help="folder for the JSONL files (default: $K3_EVAL_DATA, else lm_eval_tasks/data)")
     ap.add_argument("--tasks", default=",".join(TASKS))
     ap.add_argument("--lengths", default=",".join(str(n) for n in LENGTHS))
     ap.add_argument("--samples", type=int, default=16)

@@ -460,8 +460,11 @@ def test_lm_eval_adapter_runs_the_synthetic_task(tmp_path, monkeypatch):
     doc = {"random_string_to_prepend": "xY1", "answer": "xY1a poem"}
     assert utils.mrcr_process_results(doc, ["xY1a poem"])["mrcr_score"] == 1.0
     assert utils.mrcr_process_results(doc, ["a poem"])["mrcr_score"] == 0.0
-    res = lm_eval.simple_evaluate(model="k3-decode", model_args="config=mini,random_weights=0,backend=specialized",
-                                  tasks=["k3_kv_synthetic"], task_manager=tm, limit=2, log_samples=False)
+    # device in model_args and lm-eval's own device (its CLI default is cuda): model_args win
+    res = lm_eval.simple_evaluate(model="k3-decode",
+                                  model_args="config=mini,random_weights=0,backend=specialized,device=cpu",
+                                  device="cuda:0", tasks=["k3_kv_synthetic"], task_manager=tm, limit=2,
+                                  log_samples=False)
     got = res["results"]["k3_kv_synthetic"]
     assert 0.0 <= got["exact_match,none"] <= 1.0 and 0.0 <= got["similarity,none"] <= 1.0
     # loglikelihood through the decode path equals the full-sequence log-probabilities
@@ -478,3 +481,12 @@ def test_lm_eval_adapter_runs_the_synthetic_task(tmp_path, monkeypatch):
                                                       st)).double(), -1)
     want = float(logp[-3, ord("1")] + logp[-2, ord("2")])
     assert ll == pytest.approx(want, rel=1e-2) and isinstance(greedy, bool)
+
+
+def test_lm_eval_data_writes_where_the_task_configs_read(tmp_path, monkeypatch):
+    from vllm.models.kimi_k3.nvidia.evals import lm_eval_data
+
+    monkeypatch.setenv("K3_EVAL_DATA", str(tmp_path))
+    assert lm_eval_data.main(["--tasks", "kv", "--lengths", "120", "--samples", "1"]) == 0
+    line = json.loads((tmp_path / "k3_kv_synthetic.jsonl").read_text().splitlines()[0])
+    assert line["task"] == "kv" and line["length"] == 120
