@@ -94,6 +94,7 @@ def _source(args: argparse.Namespace, cfg: K3TextConfig):
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..latency_specialized.engine import build_specialized
     from ..latency_specialized.weights import load_rank
     from ..reference.model import ReferenceModel
     from . import harness
@@ -118,6 +119,11 @@ def run(args: argparse.Namespace) -> int:
     model = ReferenceModel(cfg, load_rank(source, cfg, device=args.device))
     longest = max(spec.lengths) + 256
     paths = harness.Paths(model, harness.default_deployment(longest))
+    # the executor on the specialized side: its CuTe DSL kernels on a GPU, its plumbing with the
+    # reference ops on a CPU; None (the standard path serves, the record says so) outside its envelope
+    executor = build_specialized(model, paths.dispatchers["specialized"], spec.batch, longest, reference_on_cpu=True)
+    if executor is not None:
+        paths.specialized = paths.executor = executor
     command = "k3-decode eval " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["eval"] else sys.argv[1:])
     record = harness.evaluate(paths, spec, out=args.out, command=command, weights=weights,
                               parity_runs=args.parity_runs, progress=args.progress)

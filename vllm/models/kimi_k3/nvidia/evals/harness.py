@@ -119,10 +119,15 @@ class Paths:
         self.dispatchers = {p: dispatcher(p, self.deployment, self.executor if p == "specialized" else None)
                             for p in PATHS}
 
+    def _own_state(self, path: str):
+        """The DecodeState the specialized decode function serves when it owns one (the executor:
+        its graphs point at its pools), else None: a fresh state per run."""
+        return getattr(self.specialized, "state", None) if path == "specialized" else None
+
     def engine(self, path: str, requests: int, max_len: int) -> Engine:
         fn = self.specialized if path == "specialized" else None
         return Engine(self.model, dispatcher=self.dispatchers[path], specialized=fn,
-                      max_requests=requests, max_len=max_len)
+                      max_requests=requests, max_len=max_len, state=self._own_state(path))
 
     def generate(self, path: str, requests: Sequence[Request]) -> list[list[int]]:
         longest = max(len(r.prompt_ids) + r.params.max_tokens for r in requests)
@@ -144,19 +149,24 @@ class Paths:
         """
         model, d = self.model, self.dispatchers[path]
         device = model.w.embed.device
-        state = model.new_state(max_requests=1, max_len=len(prompt) + len(forced), device=device)
+        own = self._own_state(path)
+        state = own if own is not None else model.new_state(max_requests=1, max_len=len(prompt) + len(forced),
+                                                            device=device)
         r = state.allocate()
-        seg = state.segment(r, 0, len(prompt), prefill=True)
-        rows = [self._standard(torch.tensor(prompt, device=device), [seg], state)[-1].to(torch.float32).cpu()]
         served: dict[str, int] = {}
-        for tok in forced[:-1]:
-            seg = state.segment(r, 0, 1, prefill=False)
-            route = d.route(StepFacts(rows=1, tokens_per_request=1, max_context=seg.pos0 + 1, pure_decode=True))
-            use_spec = route.path == SPECIALIZED and self.specialized is not None
-            fn = self.specialized if use_spec else self._standard
-            rows.append(fn(torch.tensor([tok], device=device), [seg], state)[0].to(torch.float32).cpu())
-            key = "specialized" if use_spec else "standard"
-            served[key] = served.get(key, 0) + 1
+        try:
+            seg = state.segment(r, 0, len(prompt), prefill=True)
+            rows = [self._standard(torch.tensor(prompt, device=device), [seg], state)[-1].to(torch.float32).cpu()]
+            for tok in forced[:-1]:
+                seg = state.segment(r, 0, 1, prefill=False)
+                route = d.route(StepFacts(rows=1, tokens_per_request=1, max_context=seg.pos0 + 1, pure_decode=True))
+                use_spec = route.path == SPECIALIZED and self.specialized is not None
+                fn = self.specialized if use_spec else self._standard
+                rows.append(fn(torch.tensor([tok], device=device), [seg], state)[0].to(torch.float32).cpu())
+                key = "specialized" if use_spec else "standard"
+                served[key] = served.get(key, 0) + 1
+        finally:
+            state.free(r)  # the executor's state serves every later run
         self._count(path, served)
         return torch.stack(rows)
 
@@ -368,6 +378,10 @@ def evaluate(paths: Paths, spec: EvalSpec, *, out: str | Path | None = None, com
     if paths.specialized is None:
         extra["note"] = ("the specialized executor is not built: the dispatcher admitted the "
                          "specialized side's steps and the standard path served them")
+    elif getattr(getattr(paths.specialized, "ops", None), "impl", None) == "reference":
+        extra["note"] = ("the specialized executor served the specialized side with the reference ops "
+                         "(no CUDA device): its step plumbing (buckets, padding rows, state commits) is "
+                         "checked, not its kernels")
     record = {"kind": "eval", "family": "evals", "command": command, "results": results,
               "targets": targets, **extra}
     if out is not None:

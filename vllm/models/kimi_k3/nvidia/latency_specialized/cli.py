@@ -44,30 +44,6 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     add_tp_arguments(g)
 
 
-def _executor_for(model, dispatcher, requests: int, max_len: int):
-    """The specialized executor for an enabled dispatcher (plain decode buckets of its envelope up to
-    the first that holds every request), or None with the reason logged: the standard path serves."""
-    from .dispatch import BACKEND_LOG
-    from .executor import ExecutorError, SpecializedDecode
-
-    if not dispatcher.enabled:
-        return None
-    if model.w.embed.device.type != "cuda":
-        BACKEND_LOG.warning("specialized executor not built: its CuTe DSL kernels need a CUDA device "
-                            "(--device cuda); the standard path serves every step")
-        return None
-    rows = sorted(dispatcher.envelopes[0].rows_per_step)
-    cap = next((r for r in rows if r >= requests), rows[-1])
-    try:
-        executor = SpecializedDecode(model, max_requests=requests, max_len=max_len,
-                                     buckets=[(r, 1) for r in rows if r <= cap])
-    except (ValueError, ExecutorError) as e:  # a kernel's envelope refuses this model's shapes
-        BACKEND_LOG.warning("specialized executor not built (%s); the standard path serves every step", e)
-        return None
-    dispatcher.executor = executor
-    return executor
-
-
 def _weights_source(args: argparse.Namespace, cfg):
     """--weights, else the shipped tiny checkpoint for `--config tiny`, else seeded random weights."""
     from ..evals.tiny import TINY_DIR, has_checkpoint
@@ -86,7 +62,7 @@ def _generate(args: argparse.Namespace) -> int:
     from ..reference.model import ReferenceModel
     from .deployment import Deployment
     from .dispatch import Dispatcher
-    from .engine import Engine, Request
+    from .engine import Engine, Request, build_specialized
     from .options import BackendOptions
     from .sampler import SamplingParams
     from .tokenizer import ByteTokenizer
@@ -129,7 +105,7 @@ def _generate(args: argparse.Namespace) -> int:
         load_s = time.perf_counter() - t0
         deployment = Deployment.detect(tp=1, max_model_len=max_len, expert_dtype="bfloat16")
         dispatcher = Dispatcher(options, deployment)
-        executor = _executor_for(model, dispatcher, len(prompts), max_len)
+        executor = build_specialized(model, dispatcher, len(prompts), max_len)
         engine = Engine(model, dispatcher=dispatcher, specialized=executor, max_requests=len(prompts),
                         max_len=max_len, state=None if executor is None else executor.state)
         done = engine.generate(requests)

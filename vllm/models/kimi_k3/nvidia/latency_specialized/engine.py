@@ -150,3 +150,31 @@ class Engine:
                 finish[i] = "stop"
             elif len(outs[i]) >= p.max_tokens:
                 finish[i] = "length"
+
+
+def build_specialized(model: ReferenceModel, dispatcher, requests: int, max_len: int, *,
+                      reference_on_cpu: bool = False):
+    """The specialized executor for an enabled dispatcher, attached to it: plain decode buckets of
+    its envelope up to the first that holds every request. None, with the reason logged, when the
+    dispatcher is off, the weights are not on a CUDA device (unless `reference_on_cpu`: then the
+    executor runs the reference ops, which checks its step plumbing but not its kernels), or a
+    kernel's envelope refuses the model's shapes; the standard path then serves every step."""
+    from .dispatch import BACKEND_LOG
+    from .executor import ExecutorError, SpecializedDecode
+
+    if not dispatcher.enabled:
+        return None
+    if model.w.embed.device.type != "cuda" and not reference_on_cpu:
+        BACKEND_LOG.warning("specialized executor not built: its CuTe DSL kernels need a CUDA device "
+                            "(--device cuda); the standard path serves every step")
+        return None
+    rows = sorted(dispatcher.envelopes[0].rows_per_step)
+    cap = next((r for r in rows if r >= requests), rows[-1])
+    try:
+        executor = SpecializedDecode(model, max_requests=requests, max_len=max_len,
+                                     buckets=[(r, 1) for r in rows if r <= cap])
+    except (ValueError, ExecutorError) as e:  # a kernel's envelope refuses this model's shapes
+        BACKEND_LOG.warning("specialized executor not built (%s); the standard path serves every step", e)
+        return None
+    dispatcher.executor = executor
+    return executor

@@ -240,7 +240,8 @@ def test_eval_cli_runs_and_explains_a_missing_checkpoint(tmp_path, capsys):
 def test_the_shipped_tiny_checkpoint_retrieves_keys_from_a_long_context(tmp_path):
     """The committed checkpoint, loaded like the real one, on both paths at 1K (CPU): the kv task
     (two values asked by key from ~170 key=value lines) well above chance (0: five random digits
-    each); the 1K and 4K figures of every task are in evidence/cpu/eval_tiny.json."""
+    each), the specialized side served by the executor; every task's 1K and 4K figures are in
+    evidence/cpu/eval_tiny.json."""
     from vllm.models.kimi_k3.nvidia.evals import cli
 
     assert has_checkpoint(), f"the tiny checkpoint is missing from {TINY_DIR}"
@@ -251,6 +252,9 @@ def test_the_shipped_tiny_checkpoint_retrieves_keys_from_a_long_context(tmp_path
     accuracy = {r["path"]: r["accuracy"] for r in record["results"] if "accuracy" in r}
     assert accuracy["standard"] >= 0.75 and accuracy["specialized"] == accuracy["standard"], accuracy
     assert all(t["met"] for t in record["targets"]), record["targets"]
+    # on a CPU the executor serves the specialized side's decode steps with the reference ops
+    assert record["specialized_built"] and record["paths_served"]["specialized"].get("specialized", 0) > 0
+    assert "reference ops" in record["note"]
 
 
 # ---------------------------------------------------------------------- the training model
