@@ -19,7 +19,9 @@ for wiring checks), `backend` (`standard`/`auto` or `specialized`/`latency_speci
 | `loglikelihood_rolling` | the same over the whole text after BOS |
 
 Text is bytes on the byte tokenizer (BOS first); the context length is bounded by the
-config's `max_position_embeddings`.
+config's `max_position_embeddings`. `backend=specialized` routes through the specialized
+dispatcher, but the adapter builds no executor (`k3-decode eval` does): admitted steps are
+counted "admitted; specialized executor not built" and served by the standard path.
 """
 
 from __future__ import annotations
