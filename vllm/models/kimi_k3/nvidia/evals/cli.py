@@ -21,7 +21,7 @@ import torch
 from ..latency_specialized.config import ConfigError, K3TextConfig
 from ..latency_specialized.tokenizer import ByteTokenizer
 from . import tasks
-from .tiny import TINY_DIR, config_named, has_checkpoint
+from .tiny import TINY_DIR, config_named, shipped_weights
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -84,9 +84,9 @@ def _source(args: argparse.Namespace, cfg: K3TextConfig):
         return RandomSource(cfg, seed=args.random_weights), f"random seed {args.random_weights}"
     if args.weights:
         return SafetensorsSource(args.weights), _shown(Path(args.weights))
-    if args.config == "tiny" and has_checkpoint():
-        path = TINY_DIR / "model.safetensors"
-        return SafetensorsSource(path), _shown(path)
+    shipped = shipped_weights(args.config)
+    if shipped:
+        return SafetensorsSource(shipped), _shown(shipped)
     raise ConfigError(
         f"no weights for config {cfg.name}: pass --weights PATH, or --random-weights SEED to check "
         f"the wiring only (the tiny checkpoint is not in {TINY_DIR} yet: train it with "

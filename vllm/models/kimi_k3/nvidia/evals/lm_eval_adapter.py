@@ -43,7 +43,7 @@ from ..latency_specialized.tokenizer import ByteTokenizer
 from ..latency_specialized.weights import RandomSource, SafetensorsSource, load_rank
 from ..reference.model import ReferenceModel
 from .harness import Paths, default_deployment
-from .tiny import TINY_DIR, config_named, has_checkpoint
+from .tiny import config_named, shipped_weights
 
 TOK = ByteTokenizer()
 BACKEND_PATHS = {"standard": "standard", "auto": "standard",
@@ -63,12 +63,13 @@ class K3DecodeLM(LM):
             raise ValueError(f"k3-decode: device {device} asked for (lm-eval's CLI defaults to cuda), but no "
                              "CUDA device is present; pass --device cpu")
         cfg = config_named(str(config))
+        shipped = shipped_weights(str(config))
         if random_weights is not None:
             source = RandomSource(cfg, seed=int(random_weights))
         elif weights:
             source = SafetensorsSource(weights)
-        elif str(config) == "tiny" and has_checkpoint():
-            source = SafetensorsSource(TINY_DIR / "model.safetensors")
+        elif shipped:
+            source = SafetensorsSource(shipped)
         else:
             raise ValueError(f"k3-decode: no weights for config {cfg.name}; pass weights=PATH or "
                              "random_weights=SEED (wiring checks only)")

@@ -54,6 +54,11 @@ def has_checkpoint(folder: Path = TINY_DIR) -> bool:
     return (folder / "config.json").is_file() and (folder / "model.safetensors").is_file()
 
 
+def shipped_weights(config: str) -> Path | None:
+    """The shipped weights file for a config name: tiny's checkpoint once committed, else None."""
+    return TINY_DIR / "model.safetensors" if config == "tiny" and has_checkpoint() else None
+
+
 def config_named(name: str) -> K3TextConfig:
     """`tiny` (the shipped checkpoint's config.json once it exists, else `TINY`), a preset or a path."""
     if name == "tiny":

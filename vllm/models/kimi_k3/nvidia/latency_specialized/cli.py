@@ -46,13 +46,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 def _weights_source(args: argparse.Namespace, cfg):
     """--weights, else the shipped tiny checkpoint for `--config tiny`, else seeded random weights."""
-    from ..evals.tiny import TINY_DIR, has_checkpoint
+    from ..evals.tiny import shipped_weights
     from .weights import RandomSource, SafetensorsSource
 
-    if args.weights:
-        return SafetensorsSource(args.weights)
-    if args.config == "tiny" and has_checkpoint():
-        return SafetensorsSource(TINY_DIR)
+    shipped = shipped_weights(args.config)
+    if args.weights or shipped:
+        return SafetensorsSource(args.weights or shipped)
     print(f"[k3-decode] config {cfg.name}: no checkpoint given, seeded random weights (seed {args.seed}); "
           "the text will be noise", file=sys.stderr)
     return RandomSource(cfg, seed=args.seed)
