@@ -1,4 +1,4 @@
-"""Benchmark of the RMSNorm, gated RMSNorm, AttnRes and embedding kernels against torch.
+"""Benchmark of the RMSNorm, AttnRes and embedding kernels against torch.
 
 Every case runs three ways in the same process on the same inputs: our CuTe DSL kernel, the
 reference function in torch eager (`reference/`), and `torch.compile` of that same function
@@ -31,12 +31,11 @@ import cuda.bindings.driver as cuda
 import cutlass.cute as cute
 import torch
 
-from ..kernels import attn_res, embedding, gated_rms_norm, rms_norm
+from ..kernels import attn_res, embedding, rms_norm
 from ..latency_specialized.config import PRESETS
 from ..latency_specialized.evidence import write_record
 from ..reference.attn_res import attn_res_mix
 from ..reference.collective import SingleRank
-from ..reference.kda import _gated_rms_norm
 from ..reference.model import embed
 from ..reference.ops import bf16_add
 from ..reference.ops import rms_norm as rms_norm_ref
@@ -44,7 +43,7 @@ from .bench_skinny_gemm import copy_bandwidth_TBps, time_graph
 
 KERNELS = "vllm/models/kimi_k3/nvidia/kernels/"
 SOURCES = {
-    "norm": (KERNELS + "rms_norm.py", KERNELS + "gated_rms_norm.py"),
+    "norm": (KERNELS + "rms_norm.py",),
     "attn_res": (KERNELS + "rms_norm.py", KERNELS + "attn_res.py"),
     "embedding": (KERNELS + "rms_norm.py", KERNELS + "embedding.py"),
 }
@@ -108,28 +107,6 @@ def rms_cases() -> list[Case]:
                               lambda s: rms_norm_ref(s["x"], s["w"], EPS),
                               2 * (2 * m * d + d), "rms_norm"))
     return cases
-
-
-def gated_cases() -> list[Case]:
-    cases = []
-    for heads in (96, 12, 6):
-        width = heads * gated_rms_norm.HEAD_DIM
-        for m in ROWS:
-            def make(gen, m=m, width=width):
-                return {"o": _randn((m, width), gen), "g": _randn((m, width), gen, 3.0),
-                        "w": _weight(gated_rms_norm.HEAD_DIM, gen),
-                        "out": torch.empty((m, width), dtype=torch.bfloat16, device="cuda")}
-
-            cases.append(Case("norm", f"gated_rms_norm h={heads}", {"m": m, "heads": heads}, make,
-                              lambda s: gated_rms_norm.launch(s["o"], s["g"], s["w"], s["out"]), _gated_ref,
-                              2 * (3 * m * width + gated_rms_norm.HEAD_DIM), "gated_rms_norm"))
-    return cases
-
-
-def _gated_ref(s: dict) -> torch.Tensor:
-    m = s["o"].shape[0]
-    d = gated_rms_norm.HEAD_DIM
-    return _gated_rms_norm(s["o"].view(m, -1, d), s["g"].view(m, -1, d), s["w"]).view(m, -1)
 
 
 def _attn_res_set(gen: torch.Generator, m: int) -> dict:
@@ -288,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     copy_bw = copy_bandwidth_TBps()
     launch_us = launch_floor_us()
     sm_count = torch.cuda.get_device_properties(0).multi_processor_count
-    families = {"attn_res": lambda: attn_res_cases(sm_count), "norm": lambda: rms_cases() + gated_cases(),
+    families = {"attn_res": lambda: attn_res_cases(sm_count), "norm": rms_cases,
                 "embedding": embedding_cases}
     compiled: dict[str, Callable] = {}
     results: dict[str, list[dict]] = {}

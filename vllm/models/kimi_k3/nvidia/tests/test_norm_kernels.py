@@ -1,11 +1,10 @@
-"""Norm, AttnRes and embedding kernels (kernels/{rms_norm,gated_rms_norm,attn_res,embedding}.py)
-against the reference (reference/ops.py, reference/kda.py, reference/attn_res.py,
-reference/model.py).
+"""Norm, AttnRes and embedding kernels (kernels/{rms_norm,attn_res,embedding}.py) against
+the reference (reference/ops.py, reference/attn_res.py, reference/model.py).
 
 CPU: envelope errors (raised before any CUDA use), tilings that cover every envelope shape, and
 compile checks for sm_90a, sm_100a and sm_103a whose PTX must show the design (16-byte global
 loads and stores, the cluster exchange where AttnRes splits a row, no local memory).
-GPU (marker `gpu`): every envelope width and head count, M from 1 to 64, four input
+GPU (marker `gpu`): every envelope width, M from 1 to 64, four input
 distributions (normal, heavy-tailed, large-magnitude, near-zero), outputs NaN-poisoned before
 the launch, ‖out − ref‖/‖ref‖ in fp32 under REL_ERR_BOUND (both sides are rounded to bf16 once,
 so they differ only where the fp32 values straddle a rounding boundary: at most one bf16 ulp,
@@ -28,7 +27,6 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip 
 from vllm.models.kimi_k3.nvidia.kernels import (  # noqa: E402
     attn_res,
     embedding,
-    gated_rms_norm,
     rms_norm,
 )
 from vllm.models.kimi_k3.nvidia.kernels.rms_norm import NormEnvelopeError  # noqa: E402
@@ -36,7 +34,6 @@ from vllm.models.kimi_k3.nvidia.latency_specialized.config import PRESETS  # noq
 from vllm.models.kimi_k3.nvidia.latency_specialized.evidence import write_record  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.attn_res import attn_res_mix  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.collective import SingleRank  # noqa: E402
-from vllm.models.kimi_k3.nvidia.reference.kda import _gated_rms_norm  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.model import embed  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.ops import bf16_add  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.ops import rms_norm as rms_norm_ref  # noqa: E402
@@ -44,14 +41,13 @@ from vllm.models.kimi_k3.nvidia.reference.ops import rms_norm as rms_norm_ref  #
 H = attn_res.HIDDEN
 EPS = 1e-5
 ROWS = (1, 2, 3, 8, 16, 33, 64)
-HEADS = (96, 48, 24, 12, 6)
 DISTRIBUTIONS = ("normal", "heavy_tailed", "large", "tiny")
 REL_ERR_BOUND = 4e-3
 ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 KERNEL_DIR = "vllm/models/kimi_k3/nvidia/kernels/"
 TEST_FILE = "vllm/models/kimi_k3/nvidia/tests/test_norm_kernels.py"
 SOURCES = {
-    "norm": (KERNEL_DIR + "rms_norm.py", KERNEL_DIR + "gated_rms_norm.py", TEST_FILE),
+    "norm": (KERNEL_DIR + "rms_norm.py", TEST_FILE),
     "attn_res": (KERNEL_DIR + "rms_norm.py", KERNEL_DIR + "attn_res.py", TEST_FILE),
     "embedding": (KERNEL_DIR + "rms_norm.py", KERNEL_DIR + "embedding.py", TEST_FILE),
 }
@@ -111,29 +107,6 @@ def test_rms_norm_envelope_errors(case, match):
         x = _bf(4, 516)[:, :512]
     with pytest.raises(NormEnvelopeError, match=re.escape(match)):
         rms_norm.launch(x, w, EPS)
-
-
-@pytest.mark.parametrize("case, match", [
-    ("dtype", "bfloat16"),
-    ("rows", "M=65"),
-    ("heads", "1..96 heads"),
-    ("gate", "gate must be [4, 768]"),
-    ("weight", "weight must be a [128]"),
-])
-def test_gated_rms_norm_envelope_errors(case, match):
-    o, g, w = _bf(4, 768), _bf(4, 768), _bf(128)
-    if case == "dtype":
-        g = g.half()
-    elif case == "rows":
-        o, g = _bf(65, 768), _bf(65, 768)
-    elif case == "heads":
-        o, g = _bf(4, 700), _bf(4, 700)
-    elif case == "gate":
-        g = _bf(4, 640)
-    elif case == "weight":
-        w = _bf(64)
-    with pytest.raises(NormEnvelopeError, match=re.escape(match)):
-        gated_rms_norm.launch(o, g, w)
 
 
 @pytest.mark.parametrize("case, match", [
@@ -215,8 +188,6 @@ def _attn_res_plan(n_blocks: int, split: int, *, out_norm: bool = True, mix_out:
 COMPILE_CASES = {
     "rms_norm d=1536 strided": lambda arch, ptx_dir: rms_norm.compile_rms_norm(
         rms_norm.RmsNormPlan.for_width(1536, 2112, 1536), arch, ptx_dir),
-    "gated_rms_norm h=12": lambda arch, ptx_dir: gated_rms_norm.compile_gated_rms_norm(
-        gated_rms_norm.GatedNormPlan(12, 1536, 6400, 1536), arch, ptx_dir),
     "attn_res 9 sources split 7": lambda arch, ptx_dir: attn_res.compile_attn_res(
         _attn_res_plan(8, 7, out_norm=False), arch, ptx_dir),
     "attn_res final+norm split 2": lambda arch, ptx_dir: attn_res.compile_attn_res(
@@ -284,28 +255,6 @@ def test_rms_norm_matches_reference(d, evidence):
             ref = rms_norm_ref(x, w, EPS)
             _record(evidence["norm"], failures, f"rms_norm D={d} M={m} {dist}", _rel_err(out, ref),
                     int(torch.isnan(out).sum()), shape={"m": m, "d": d, "x_row_stride": x.stride(0)},
-                    distribution=dist)
-    assert not failures, "; ".join(failures)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("heads", HEADS)
-def test_gated_rms_norm_matches_reference(heads, evidence):
-    gen = torch.Generator(device="cuda").manual_seed(1000 + heads)
-    width = heads * gated_rms_norm.HEAD_DIM
-    failures: list[str] = []
-    for dist in DISTRIBUTIONS:
-        w = _norm_weight(gated_rms_norm.HEAD_DIM, gen)
-        for m in ROWS:
-            o = _draw(dist, (m, width), gen)
-            # g_out is a column slice of the KDA input projection's output (rows [q | k | v | g | ...])
-            z = _draw("normal", (m, 4 * width + 256), gen) * 3
-            g = z[:, 3 * width:4 * width]
-            out = _nan((m, width))
-            gated_rms_norm.launch(o, g, w, out)
-            ref = _gated_rms_norm(o.reshape(m, heads, -1), g.reshape(m, heads, -1), w).reshape(m, width)
-            _record(evidence["norm"], failures, f"gated_rms_norm h={heads} M={m} {dist}", _rel_err(out, ref),
-                    int(torch.isnan(out).sum()), shape={"m": m, "heads": heads, "g_row_stride": g.stride(0)},
                     distribution=dist)
     assert not failures, "; ".join(failures)
 
@@ -453,24 +402,22 @@ def test_embedding_matches_reference(ids_dtype, evidence):
 
 @pytest.mark.gpu
 def test_cuda_graph_capture_and_replay():
-    """All four kernels record into one CUDA graph (capture runs nothing) and replay on new inputs
+    """All three kernels record into one CUDA graph (capture runs nothing) and replay on new inputs
     written in place."""
     gen = torch.Generator(device="cuda").manual_seed(5000)
     m = 6
     layer = _Layer(m, "normal", gen)
     x, w = _draw("normal", (m, 3584), gen), _norm_weight(3584, gen)
-    o, g, gw = _draw("normal", (m, 12 * 128), gen), _draw("normal", (m, 12 * 128), gen), _norm_weight(128, gen)
     table = _draw("normal", (1000, H), gen)
     ids = torch.tensor([3, 999, 1000, -1, 0, 17], device="cuda")
-    outs = [_nan((m, 3584)), _nan((m, 12 * 128)), _nan((m, H)), _nan((m, H))]
+    outs = [_nan((m, 3584)), _nan((m, H)), _nan((m, H))]
     prefix = layer.prefix.clone()
 
     def step():
         rms_norm.launch(x, w, EPS, outs[0])
-        gated_rms_norm.launch(o, g, gw, outs[1])
         attn_res.launch(layer.blocks, 5, prefix, layer.norm_w, layer.proj_w, EPS, addend=layer.addend,
-                        out_w=layer.out_w, out=outs[2])
-        embedding.launch(ids, table, 0, 1000, outs[3])
+                        out_w=layer.out_w, out=outs[1])
+        embedding.launch(ids, table, 0, 1000, outs[2])
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -490,10 +437,8 @@ def test_cuda_graph_capture_and_replay():
     graph.replay()
     torch.cuda.synchronize()
     assert _rel_err(outs[0], rms_norm_ref(x, w, EPS)) < REL_ERR_BOUND
-    assert _rel_err(outs[1], _gated_rms_norm(o.reshape(m, 12, -1), g.reshape(m, 12, -1), gw).reshape(m, -1)) \
-        < REL_ERR_BOUND
     ref = attn_res_mix(layer.sources(5, bf16_add(prefix, layer.addend)), layer.norm_w, layer.proj_w, EPS,
                        layer.out_w, EPS)
-    assert _rel_err(outs[2], ref) < REL_ERR_BOUND
+    assert _rel_err(outs[1], ref) < REL_ERR_BOUND
     shard = dataclasses.replace(PRESETS["k3"].shard(1, 0), vocab=1000)  # a 1000-row table
-    assert torch.equal(outs[3], embed(ids, table, shard, 1000, SingleRank(1, 0)))
+    assert torch.equal(outs[2], embed(ids, table, shard, 1000, SingleRank(1, 0)))
