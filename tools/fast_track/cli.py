@@ -4,6 +4,7 @@
     fast-track render-evidence [--model DIR] --out FILE
     fast-track record-coverage --coverage FILE --out FILE --command CMD [--model DIR]
     fast-track record-sanitizer --out FILE --source PATH [--source ...] [--tool T ...] [--kernel-name S] -- CMD...
+    fast-track record-tests --out FILE --kind KIND --family F --source PATH [--source ...] -- PYTEST CMD...
 
 `check` prints the markdown review and writes it to --report too (e.g.
 $GITHUB_STEP_SUMMARY); exit 0 only when every automatic item holds, 1 when one does not,
@@ -24,6 +25,7 @@ from .model import ModelError, discover
 from .report import render_report
 from .review import run_review
 from .sanitizer_record import DEFAULT_TOOLS, record_sanitizer
+from .tests_record import KINDS, record_tests
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,6 +56,13 @@ def _parser() -> argparse.ArgumentParser:
     sanitize.add_argument("--kernel-name", default=None, metavar="SUBSTRING",
                           help="check only kernels whose name contains SUBSTRING (default: every kernel)")
     sanitize.add_argument("run", nargs=argparse.REMAINDER, help="-- then the command to run")
+    tests = commands.add_parser("record-tests", help="run pytest and record each test's outcome")
+    tests.add_argument("--out", type=Path, required=True, help="evidence JSON file to write")
+    tests.add_argument("--kind", choices=KINDS, default="parity", help="record kind (default: parity)")
+    tests.add_argument("--family", required=True, help="record family, e.g. features")
+    tests.add_argument("--source", action="append", required=True, dest="sources",
+                       help="repository-relative file whose behaviour the tests prove (repeat)")
+    tests.add_argument("run", nargs=argparse.REMAINDER, help="-- then the pytest command")
     return parser
 
 
@@ -83,6 +92,12 @@ def main(argv: list[str] | None = None) -> int:
             verdicts = ", ".join(f"{r['name']} {r['status']}" for r in record["results"])
             print(f"wrote {args.out}: {verdicts}")
             return 0 if all(r["status"] == "pass" for r in record["results"]) else 1
+        if args.command == "record-tests":
+            command = args.run[1:] if args.run[:1] == ["--"] else args.run
+            record = record_tests(root, args.out.resolve(), args.kind, args.family, args.sources, command)
+            counts = {s: sum(r["status"] == s for r in record["results"]) for s in ("pass", "fail", "skip")}
+            print(f"wrote {args.out}: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
+            return 0 if counts["pass"] == len(record["results"]) else 1
         model = _one_model(root, args.model)
         out = args.out.resolve()
         if args.command == "render-evidence":

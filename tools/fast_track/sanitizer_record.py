@@ -13,7 +13,10 @@ hard: the GPU tests of the kernel and its stress test.
 `--kernel-name` checks only the kernels whose name contains SUBSTRING (compute-sanitizer's
 `--kernel-name kns=`): a test's reference side runs library kernels too, and racecheck
 reports hazards inside cuBLAS's own GEMMs that are not the change's. The record says which
-kernels were checked.
+kernels were checked. Prefer a command with no library kernel in it: on the H200
+(compute-sanitizer 2025.3.1, 2026-12-03) racecheck with any kernel filter stopped at the
+first CuTe DSL kernel with "Internal Sanitizer Error: failed to handle a hardware exception",
+while the same run unfiltered checked it cleanly.
 """
 
 from __future__ import annotations

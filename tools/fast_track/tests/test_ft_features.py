@@ -61,3 +61,32 @@ def test_find_test_follows_classes(repo):
     assert find_test(model, f"{MODEL}/tests/test_cls.py::test_b")[0] is False
     assert find_test(model, f"{MODEL}/tests/test_cls.py::TestZ::test_b")[1].endswith(
         "has no class 'TestZ'")
+
+
+def test_record_tests_writes_each_outcome_and_the_item_reads_it(repo, monkeypatch, capsys):
+    import sys
+
+    from ..cli import main
+    monkeypatch.chdir(repo.root)
+    out = repo.root / PARITY
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{FEATURE_TEST}::test_sampling_same_on_both_paths"]
+    assert main(["record-tests", "--out", PARITY, "--family", "features", "--source", KERNEL, "--", *cmd]) == 0
+    assert "1 pass, 0 fail, 0 skip" in capsys.readouterr().out
+    record = json.loads(out.read_text())
+    assert record["kind"] == "parity" and record["sources"] == [KERNEL]
+    assert [(r["name"], r["status"]) for r in record["results"]] == [("test_sampling_same_on_both_paths", "pass")]
+    assert _features(repo).status == PASS
+    # a skipped test is not a pass, and neither the record nor the item says otherwise
+    path = repo.root / FEATURE_TEST
+    path.write_text("import pytest\n\n\n@pytest.mark.skip(reason='no GPU')\n" + path.read_text())
+    assert main(["record-tests", "--out", PARITY, "--family", "features", "--source", KERNEL, "--", *cmd]) == 1
+    record = json.loads(out.read_text())
+    assert [(r["status"], r["reason"]) for r in record["results"]] == [("skip", "no GPU")]
+    assert _features(repo).status == FAIL
+
+
+def test_record_tests_refuses_a_command_that_is_not_pytest(repo, monkeypatch, capsys):
+    from ..cli import main
+    monkeypatch.chdir(repo.root)
+    assert main(["record-tests", "--out", PARITY, "--family", "f", "--source", KERNEL, "--", "true"]) == 2
+    assert "must run pytest" in capsys.readouterr().err
