@@ -66,6 +66,11 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _after_dashes(run: list[str]) -> list[str]:
+    """The command given after `--` (argparse keeps the separator in a REMAINDER)."""
+    return run[1:] if run[:1] == ["--"] else run
+
+
 def _one_model(root: Path, model: str | None):
     models = discover(root, model)
     if len(models) > 1:
@@ -86,14 +91,14 @@ def main(argv: list[str] | None = None) -> int:
                 args.report.write_text(text)
             return 0 if review.passed else 1
         if args.command == "record-sanitizer":
-            command = args.run[1:] if args.run[:1] == ["--"] else args.run
+            command = _after_dashes(args.run)
             record = record_sanitizer(root, args.out.resolve(), args.sources,
                                       args.tools or list(DEFAULT_TOOLS), command, kernel_name=args.kernel_name)
             verdicts = ", ".join(f"{r['name']} {r['status']}" for r in record["results"])
             print(f"wrote {args.out}: {verdicts}")
             return 0 if all(r["status"] == "pass" for r in record["results"]) else 1
         if args.command == "record-tests":
-            command = args.run[1:] if args.run[:1] == ["--"] else args.run
+            command = _after_dashes(args.run)
             record = record_tests(root, args.out.resolve(), args.kind, args.family, args.sources, command)
             counts = {s: sum(r["status"] == s for r in record["results"]) for s in ("pass", "fail", "skip")}
             print(f"wrote {args.out}: " + ", ".join(f"{n} {s}" for s, n in counts.items()))

@@ -1,7 +1,9 @@
 """Item `features`: each preserved feature's test exists (by ast) and passed in fresh evidence."""
 
 import json
+import sys
 
+from ..cli import main
 from ..features import find_test
 from ..items import FAIL, PASS
 from ..model import ModelFolder
@@ -64,9 +66,6 @@ def test_find_test_follows_classes(repo):
 
 
 def test_record_tests_writes_each_outcome_and_the_item_reads_it(repo, monkeypatch, capsys):
-    import sys
-
-    from ..cli import main
     monkeypatch.chdir(repo.root)
     out = repo.root / PARITY
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{FEATURE_TEST}::test_sampling_same_on_both_paths"]
@@ -86,7 +85,6 @@ def test_record_tests_writes_each_outcome_and_the_item_reads_it(repo, monkeypatc
 
 
 def test_record_tests_refuses_a_command_that_is_not_pytest(repo, monkeypatch, capsys):
-    from ..cli import main
     monkeypatch.chdir(repo.root)
     assert main(["record-tests", "--out", PARITY, "--family", "f", "--source", KERNEL, "--", "true"]) == 2
     assert "must run pytest" in capsys.readouterr().err
