@@ -1,9 +1,11 @@
 """MLA absorbed decode attention over the paged latent cache, split over the KV length.
 
-Status: GPU-tested on the H200 (evidence/h200/mla_decode_{test,bench}.json: 45 cases pass). At
-contexts >= 32K the cache read reaches 72-90% of copy bandwidth with 8-64 requests and 86-87%
-for one request at 1M, but 25-56% for one request at 32K-128K and 12-43% for q = 8 verify
-(target 80%, missed there).
+**Status: compiled (sm_90a, sm_100a, sm_103a; every plan of `sweep_plans` for sm_90a without
+spills) and CPU-tested (schedule, split model, PTX). The GPU-tested design (4 warps, 32-token
+chunks, 4-stage ring, 32-row tiles, four waves; 2.5 TB/s at best) is superseded by the one
+below. The new design is pending its H200 test and benchmark evidence: one informal H200 run
+(2026-12-03, no evidence record) passed this file's GPU tests and a side-by-side timing of the
+`sweep_plans` variants, which chose the defaults below.**
 
 Math (K3_MATH.md §3.5 (6); `reference/mla.py::attend_absorbed` is the oracle, read up to its
 latent output ol, before W_UV): for every query row i of a request, with q_lat_i = [ql | q_pe]

@@ -1,7 +1,8 @@
 """MoE router epilogue for decode rows: sigmoid, correction bias, top-k, renormalize, scale.
 
-Status: GPU-tested on the H200 (evidence/h200/moe_{test,bench}.json: 6.0 µs at every M, was
-~30 µs in its previous design).
+Status: GPU-tested on the H200 (evidence/h200/moe_test.json) in its previous design (~29-30 us
+at every M); this design is compile-checked (sm_90a, sm_100a, sm_103a) and its GPU test and
+timing are pending re-measurement.
 
 Math (`reference/moe.py::route`, K3_MATH.md §3.6), per row of the fp32 router logits ℓ:
 
