@@ -42,6 +42,7 @@ from ..latency_specialized.config import preset
 from ..latency_specialized.decode_ops import GLUE, KernelOps
 from ..latency_specialized.evidence import write_record
 from ..latency_specialized.executor import SpecializedDecode
+from ..latency_specialized.torch_ops import RoundingNoiseOps, TorchOps
 from ..latency_specialized.weights import ShardRandomSource, load_rank
 from ..reference.model import ReferenceModel
 from ..reference.params import KDAWeights, MoEWeights
@@ -61,9 +62,13 @@ SOURCES = ("vllm/models/kimi_k3/nvidia/latency_specialized/executor.py",
 # other around the 16th place) flips experts on perturbations of bf16 size: measured on CPU, 1e-3
 # relative noise on every GEMM output moves one step's logits by 0.28 (top-1 agreement 0.5) on the
 # MoE block and by 0.009 (top-1 1.0) with dense MLPs instead. So logits are judged three ways:
-# - the MoE block: against the graphed torch table, which computes the same function as the
-#   eager reference with other summation orders: the specialized path may differ from the eager
-#   standard path by at most PARITY_VS_BASELINE x the baseline's own difference, plus 0.02;
+# - the MoE block: against a yardstick, the torch table with every bf16 GEMM output moved by up
+#   to one rounding (torch_ops.RoundingNoiseOps: the spread any correct bf16 implementation may
+#   show): the specialized path may differ from the eager standard path by at most
+#   PARITY_VS_BASELINE x the yardstick's own difference, plus 0.02. The graphed torch table is
+#   recorded beside it but is no yardstick: it repeats eager's roundings almost everywhere, so
+#   its distance from eager underestimates that spread (H200 records of 2026-12-03: 0.16-0.53
+#   against the kernels' 0.4-0.9, while every op agreed with the reference to <= 2.4e-3);
 # - per op (latency_specialized/op_parity.py, tests/test_executor_cuda.py): the kernels against
 #   the reference on identical inputs, each below PARITY_OP_REL;
 # - the dense-MLP block (tests/test_executor_cuda.py): whole-step logits and multi-step drift
@@ -72,7 +77,7 @@ PARITY_MEDIAN_REL = 2e-2
 PARITY_TOP1 = 0.95
 PARITY_VS_BASELINE = 1.5
 PARITY_OP_REL = 5e-3
-CACHE_BUDGET = 30e9  # bytes of MLA cache the three states of one context may hold
+CACHE_BUDGET = 40e9  # bytes of MLA cache the four states of one context may hold
 
 
 def k3_block(tp: int, seed: int = 0, device: str = "cuda", layers: int = BLOCK_LAYERS,
@@ -179,30 +184,35 @@ def parity(model: ReferenceModel, ex: SpecializedDecode, std_state, slots: list[
 
 
 def run_point(model, executors: dict, std_state, tp: int, rows: int, q: int, context: int, reps: int,
-              parity_steps: int, copy_bw: float, gen: torch.Generator) -> list[dict]:
+              parity_steps: int, copy_bw: float, gen: torch.Generator, untimed: dict | None = None) -> list[dict]:
+    """One (rows, q, context) point: parity of every executor (and of the `untimed` ones, e.g. the
+    yardstick), then the timed replays of `executors` and the eager standard step."""
     requests = rows // q
     out = []
     spec = executors["specialized"]
     key = (rows, q)
-    for st in (spec.state, std_state, *(e.state for e in executors.values())):
+    untimed = {} if untimed is None else untimed
+    every = {**executors, **untimed}
+    for st in (std_state, *(e.state for e in every.values())):
         for r in range(st.max_requests):
             st.free(r)
     slots = fill_state(spec.state, requests, context, gen)
-    for name, ex in executors.items():
+    for name, ex in every.items():
         if ex is not spec:
             copy_state(ex.state, spec.state)
     copy_state(std_state, spec.state)
     base = {"tp": tp, "rows": rows, "q": q, "context": context, "requests": requests}
     par = {}
-    for name, ex in list(executors.items()):
+    for name, ex in every.items():
         try:
             par[name] = parity(model, ex, std_state, slots, q, parity_steps, gen)
-        except Exception as e:  # noqa: BLE001 - only the baseline may be dropped, and it is said so
+        except Exception as e:  # noqa: BLE001 - only a baseline may be dropped, and it is said so
             if ex is spec:
                 raise
             print(f"[decode_latency] {name} dropped: {type(e).__name__}: {e}", file=sys.stderr)
-            del executors[name]
-    for ex in executors.values():  # parity advanced every state; restart all from the same one
+            executors.pop(name, None)
+            untimed.pop(name, None)
+    for ex in executors.values():  # parity advanced every state; restart the timed ones from the same one
         _rollback_to(ex.state, slots, context)
     _rollback_to(std_state, slots, context)
     ids = torch.randint(0, model.w.lm_head.shape[0], (requests * q,), generator=gen, device="cuda")
@@ -234,9 +244,10 @@ def run_point(model, executors: dict, std_state, tp: int, rows: int, q: int, con
 
 
 def parity_status(par: dict[str, dict]) -> str:
-    """pass when the specialized path is no further from the eager standard path than the graphed
-    torch table is (times PARITY_VS_BASELINE, plus 0.02); without that baseline, by the absolute bounds."""
-    spec, base = par["specialized"], par.get("standard_graphed")
+    """pass when the specialized path is no further from the eager standard path than the
+    rounding-noise yardstick is (times PARITY_VS_BASELINE, plus 0.02); without it, by the
+    absolute bounds."""
+    spec, base = par["specialized"], par.get("standard_rounding_noise")
     if base is None:
         ok = spec["rel_err_median"] < PARITY_MEDIAN_REL and spec["top1_agreement"] >= PARITY_TOP1
     else:
@@ -306,9 +317,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[decode_latency] TP{tp} block built in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         n_mla = len(model.cfg.full_attn_layers)
         for ctx in args.contexts:
-            # three states (specialized, graphed standard, eager standard) hold the MLA cache each
+            # four states (specialized, graphed standard, yardstick, eager standard) hold the MLA cache each
             keys = sorted({(r, q) for r in args.rows for q in args.q if r % q == 0
-                           and 3 * (r // q) * (ctx + 8) * 576 * 2 * n_mla <= CACHE_BUDGET})
+                           and 4 * (r // q) * (ctx + 8) * 576 * 2 * n_mla <= CACHE_BUDGET})
             skipped = sorted({(r, q) for r in args.rows for q in args.q if r % q == 0} - set(keys))
             if skipped:
                 print(f"[decode_latency] ctx {ctx}: skipping (rows, q) {skipped}: their caches exceed "
@@ -343,17 +354,19 @@ def run_context(model: ReferenceModel, tp: int, keys: list[tuple[int, int]], ctx
     notes = []
     if not args.no_graphed_standard:
         try:  # a broken baseline must not cost the specialized figures: say so and go on without it
-            from ..latency_specialized.torch_ops import TorchOps
             executors["standard_graphed"] = SpecializedDecode(model, max_requests=max_req, max_len=max_len,
                                                               buckets=keys, ops=TorchOps())
         except Exception as e:  # noqa: BLE001
             notes.append(f"graphed standard baseline unavailable: {type(e).__name__}: {e}")
             print(f"[decode_latency] {notes[-1]}", file=sys.stderr)
+    # the parity yardstick runs eagerly (its noise is drawn per call) and is not timed
+    untimed = {"standard_rounding_noise": SpecializedDecode(model, max_requests=max_req, max_len=max_len,
+                                                            buckets=keys, ops=RoundingNoiseOps(), graphs=False)}
     std_state = model.new_state(max_requests=max_req, max_len=max_len, max_q=max_q)
     results = []
     for rows, q in keys:
         for r in run_point(model, executors, std_state, tp, rows, q, ctx, args.reps, args.parity_steps, copy_bw,
-                           gen):
+                           gen, untimed):
             results.append(r)
             g = r["baseline_us"].get("standard_graphed")
             print(f"TP{tp:<3} rows {rows:>3} q {q} ctx {ctx:>6}: spec {r['time_us']:9.1f} us  eager "
@@ -364,17 +377,22 @@ def run_context(model: ReferenceModel, tp: int, keys: list[tuple[int, int]], ctx
                     "build": {k: {"seconds": round(e.report.seconds, 1),
                                   "graph_MiB": round(e.report.graph_bytes / 2**20, 1)} for k, e in executors.items()},
                     "launches_per_step": {f"{r},{q}": spec.launches((r, q)) for r, q in keys[:1]}})
-    del executors, std_state
+    del executors, untimed, std_state
     torch.cuda.empty_cache()
     return results
+
+
+def _yardstick(r: dict) -> str:
+    y = r["parity"].get("standard_rounding_noise")
+    return "—" if y is None else f"{y['rel_err_median']:.1e}"
 
 
 def markdown(results: list[dict], targets: list[dict], copy_bw: float) -> str:
     lines = ["Per-rank compute on one H200, collectives not timed; one 12-layer AttnRes block of K3 "
              f"(93-layer = x93/12); copy bandwidth {copy_bw:.2f} TB/s.", "",
              "| TP | rows | q | ctx | specialized µs | graphed std µs | eager std µs | floor µs | x floor | "
-             "vs graphed | vs eager | parity rel err (median) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "vs graphed | vs eager | parity rel err (median) | yardstick's | parity |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         if "time_us" not in r:
             continue
@@ -383,7 +401,7 @@ def markdown(results: list[dict], targets: list[dict], copy_bw: float) -> str:
         lines.append(f"| {r['tp']} | {r['rows']} | {r['q']} | {r['context']} | {r['time_us']:.1f} | "
                      f"{'—' if g is None else f'{g:.1f}'} | {r['baseline_us']['standard_eager']:.1f} | "
                      f"{r['floor_us']:.1f} | {r['x_floor']:.2f} | {vs_g} | {r['speedup_vs_eager']:.2f}x | "
-                     f"{r['parity']['specialized']['rel_err_median']:.1e} |")
+                     f"{r['parity']['specialized']['rel_err_median']:.1e} | {_yardstick(r)} | {r['status']} |")
     lines += ["", "| target | wanted | measured | met |", "| --- | --- | --- | --- |"]
     lines += [f"| {t['name']} | {t['target']} | {t['value']} | {'yes' if t['met'] else 'no'} |" for t in targets]
     return "\n".join(lines) + "\n"

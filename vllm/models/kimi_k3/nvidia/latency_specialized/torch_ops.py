@@ -204,3 +204,17 @@ class TorchOps(ReferenceOps):
         for j in range(k):  # selection order fixes the fp32 summation order, as in the reference
             acc = acc + weights[:, j:j + 1] * y[:, j].to(F32)
         return acc.to(BF16)
+
+
+class RoundingNoiseOps(TorchOps):
+    """The torch table with each bf16 GEMM output off by up to one rounding: the fp32 result is
+    scaled by (1 + u·2^-8), u ~ U(-1, 1), before its round to bf16 (unit roundoff 2^-8). Its
+    distance from the eager reference is the spread any correct bf16 implementation may show,
+    the yardstick of decode_latency's parity rule (random-weight K3 blocks amplify it)."""
+
+    def linear(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = BF16) -> torch.Tensor:
+        if out_dtype != BF16:
+            return super().linear(x, w, out_dtype)
+        self._rec("linear")
+        y = x.to(F32) @ w.to(F32).t()
+        return (y * (1 + (2 * torch.rand_like(y) - 1) * 2.0**-8)).to(BF16)

@@ -37,11 +37,11 @@ from vllm.models.kimi_k3.nvidia.reference.collective import SingleRank  # noqa: 
 from vllm.models.kimi_k3.nvidia.reference.model import embed  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.ops import bf16_add  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.ops import rms_norm as rms_norm_ref  # noqa: E402
+from vllm.models.kimi_k3.nvidia.tests._util import DISTRIBUTIONS, draw, rel_err  # noqa: E402
 
 H = attn_res.HIDDEN
 EPS = 1e-5
 ROWS = (1, 2, 3, 8, 16, 33, 64)
-DISTRIBUTIONS = ("normal", "heavy_tailed", "large", "tiny")
 REL_ERR_BOUND = 4e-3
 ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 KERNEL_DIR = "vllm/models/kimi_k3/nvidia/kernels/"
@@ -53,26 +53,9 @@ SOURCES = {
 }
 
 
-def _draw(kind: str, shape: tuple[int, ...], gen: torch.Generator, device: str = "cuda") -> torch.Tensor:
-    """Random bf16 inputs: normal, heavy-tailed (Student t, 3 dof), large-magnitude, near-zero."""
-    z = torch.randn(shape, generator=gen, device=device)
-    if kind == "heavy_tailed":  # t = z / sqrt(chi2_3 / 3)
-        chi2 = sum(torch.randn(shape, generator=gen, device=device) ** 2 for _ in range(3))
-        z = z / (chi2 / 3).sqrt().clamp_min(1e-3)
-    elif kind == "large":
-        z = z * 3e3
-    elif kind == "tiny":
-        z = z * 1e-4
-    return z.to(torch.bfloat16)
-
-
 def _norm_weight(n: int, gen: torch.Generator, device: str = "cuda") -> torch.Tensor:
     """A trained-looking norm weight: around 1, never zero."""
     return (1.0 + 0.2 * torch.randn(n, generator=gen, device=device)).to(torch.bfloat16)
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref.float()).norm() / ref.float().norm().clamp_min(1e-30))
 
 
 def _nan(shape: tuple[int, ...], device: str = "cuda") -> torch.Tensor:
@@ -248,12 +231,12 @@ def test_rms_norm_matches_reference(d, evidence):
         w = _norm_weight(d, gen)
         for m in ROWS:
             # the MLA latent norms read a column slice of the fused_a output: a strided row
-            wide = _draw(dist, (m, d + 64 if d <= 1536 else d), gen)
+            wide = draw(dist, (m, d + 64 if d <= 1536 else d), gen, "cuda")
             x = wide[:, 64:] if d <= 1536 else wide
             out = _nan((m, d))
             rms_norm.launch(x, w, EPS, out)
             ref = rms_norm_ref(x, w, EPS)
-            _record(evidence["norm"], failures, f"rms_norm D={d} M={m} {dist}", _rel_err(out, ref),
+            _record(evidence["norm"], failures, f"rms_norm D={d} M={m} {dist}", rel_err(out, ref),
                     int(torch.isnan(out).sum()), shape={"m": m, "d": d, "x_row_stride": x.stride(0)},
                     distribution=dist)
     assert not failures, "; ".join(failures)
@@ -266,10 +249,10 @@ class _Layer:
     def __init__(self, m: int, dist: str, gen: torch.Generator):
         self.buf = torch.empty((m, 8, H), dtype=torch.bfloat16, device="cuda")
         for j in range(8):
-            self.buf[:, j] = _draw(dist, (m, H), gen) * (0.25 * (j + 1))
+            self.buf[:, j] = draw(dist, (m, H), gen, "cuda") * (0.25 * (j + 1))
         self.blocks = self.buf.transpose(0, 1)  # [8, M, H] view, strides (H, 8H, 1)
-        self.prefix = _draw(dist, (m, H), gen) * 2
-        self.addend = _draw(dist, (m, H), gen)
+        self.prefix = draw(dist, (m, H), gen, "cuda") * 2
+        self.addend = draw(dist, (m, H), gen, "cuda")
         self.norm_w = _norm_weight(H, gen)
         self.proj_w = (0.02 * torch.randn(H, generator=gen, device="cuda")).to(torch.bfloat16)
         self.out_w = _norm_weight(H, gen)
@@ -343,10 +326,10 @@ def test_attn_res_matches_reference(form, nb, evidence):
             if live is not None:
                 unwritten += int(torch.isnan(live).sum())
                 exact = torch.equal(live, live_ref)
-            rel = _rel_err(out, ref)
+            rel = rel_err(out, ref)
             if mix is not None:
                 unwritten += int(torch.isnan(mix).sum())
-                rel = max(rel, _rel_err(mix, mix_ref))
+                rel = max(rel, rel_err(mix, mix_ref))
             _record(evidence["attn_res"], failures, f"attn_res {form} n_blocks={nb} M={m} {dist}", rel, unwritten,
                     exact=exact, shape={"m": m, "n_blocks": nb, "h": H}, form=form, distribution=dist,
                     tiling=attn_res.choose_tiling(m, torch.cuda.get_device_properties(0).multi_processor_count).split)
@@ -365,7 +348,7 @@ def test_attn_res_every_tiling_and_repeatable(split, evidence):
         layer = _Layer(m, "normal", gen)
         out, live, _, ref, live_ref, _ = _run_attn_res(layer, "pre_attention", 8, tiling)
         again, _, _, _, _, _ = _run_attn_res(layer, "pre_attention", 8, tiling)
-        _record(evidence["attn_res"], failures, f"attn_res split={split} M={m} repeat", _rel_err(out, ref),
+        _record(evidence["attn_res"], failures, f"attn_res split={split} M={m} repeat", rel_err(out, ref),
                 int(torch.isnan(out).sum()), exact=torch.equal(out, again) and torch.equal(live, live_ref),
                 shape={"m": m, "n_blocks": 8, "h": H}, tiling=split)
     assert not failures, "; ".join(failures)
@@ -377,7 +360,7 @@ def test_embedding_matches_reference(ids_dtype, evidence):
     cfg = PRESETS["k3"]
     shard = cfg.shard(16, 3)
     gen = torch.Generator(device="cuda").manual_seed(4000)
-    table = _draw("normal", (shard.vocab, H), gen)
+    table = draw("normal", (shard.vocab, H), gen, "cuda")
     failures: list[str] = []
     for m in ROWS:
         # ids of this rank, of other ranks, negative (padding) and past the vocabulary
@@ -392,7 +375,7 @@ def test_embedding_matches_reference(ids_dtype, evidence):
         ref = embed(ids.long(), table, shard, cfg.vocab_size, SingleRank(16, 3))
         got = buf[:, 0]
         _record(evidence["embedding"], failures, f"embedding M={m} ids={str(ids_dtype).removeprefix('torch.')}",
-                0.0 if torch.equal(got, ref) else _rel_err(got, ref), int(torch.isnan(got).sum()),
+                0.0 if torch.equal(got, ref) else rel_err(got, ref), int(torch.isnan(got).sum()),
                 exact=torch.equal(got, ref), shape={"m": m, "shard_rows": shard.vocab, "h": H},
                 untouched_slots_still_nan=bool(torch.isnan(buf[:, 1:]).all()))
         if not torch.isnan(buf[:, 1:]).all():
@@ -407,8 +390,8 @@ def test_cuda_graph_capture_and_replay():
     gen = torch.Generator(device="cuda").manual_seed(5000)
     m = 6
     layer = _Layer(m, "normal", gen)
-    x, w = _draw("normal", (m, 3584), gen), _norm_weight(3584, gen)
-    table = _draw("normal", (1000, H), gen)
+    x, w = draw("normal", (m, 3584), gen, "cuda"), _norm_weight(3584, gen)
+    table = draw("normal", (1000, H), gen, "cuda")
     ids = torch.tensor([3, 999, 1000, -1, 0, 17], device="cuda")
     outs = [_nan((m, 3584)), _nan((m, H)), _nan((m, H))]
     prefix = layer.prefix.clone()
@@ -431,14 +414,14 @@ def test_cuda_graph_capture_and_replay():
             step()
     torch.cuda.synchronize()
     assert all(torch.isnan(t).all() for t in outs), "capture ran a kernel instead of recording it"
-    x.copy_(_draw("large", (m, 3584), gen))
-    prefix.copy_(_draw("normal", (m, H), gen))
+    x.copy_(draw("large", (m, 3584), gen, "cuda"))
+    prefix.copy_(draw("normal", (m, H), gen, "cuda"))
     ids.copy_(torch.tensor([5, 0, 999, 2000, -7, 1], device="cuda"))
     graph.replay()
     torch.cuda.synchronize()
-    assert _rel_err(outs[0], rms_norm_ref(x, w, EPS)) < REL_ERR_BOUND
+    assert rel_err(outs[0], rms_norm_ref(x, w, EPS)) < REL_ERR_BOUND
     ref = attn_res_mix(layer.sources(5, bf16_add(prefix, layer.addend)), layer.norm_w, layer.proj_w, EPS,
                        layer.out_w, EPS)
-    assert _rel_err(outs[1], ref) < REL_ERR_BOUND
+    assert rel_err(outs[1], ref) < REL_ERR_BOUND
     shard = dataclasses.replace(PRESETS["k3"].shard(1, 0), vocab=1000)  # a 1000-row table
     assert torch.equal(outs[2], embed(ids, table, shard, 1000, SingleRank(1, 0)))

@@ -22,6 +22,7 @@ from vllm.models.kimi_k3.nvidia.kernels import skinny_gemm  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.shapes import k3_gemm_shapes  # noqa: E402
 from vllm.models.kimi_k3.nvidia.latency_specialized.evidence import write_record  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.ops import linear  # noqa: E402
+from vllm.models.kimi_k3.nvidia.tests._util import DISTRIBUTIONS, draw, rel_err  # noqa: E402
 
 ROWS = (1, 2, 3, 8, 16, 33, 64)
 # bf16 outputs: one rounding of each output (relative 2^-9 at most, ~1.7e-3 in norm measured);
@@ -44,24 +45,6 @@ def _unique_shapes():
 SHAPES = _unique_shapes()
 
 
-def _draw(kind: str, shape: tuple[int, int], gen: torch.Generator, device: str) -> torch.Tensor:
-    """Random bf16 inputs: normal, heavy-tailed (Student t, 3 dof), large-magnitude, near-zero."""
-    z = torch.randn(shape, generator=gen, device=device)
-    if kind == "heavy_tailed":  # t = z / sqrt(chi2_3 / 3)
-        chi2 = sum(torch.randn(shape, generator=gen, device=device) ** 2 for _ in range(3))
-        z = z / (chi2 / 3).sqrt().clamp_min(1e-3)
-    elif kind == "large":
-        z = z * 3e3
-    elif kind == "tiny":
-        z = z * 1e-4
-    return z.to(torch.bfloat16)
-
-
-DISTRIBUTIONS = ("normal", "heavy_tailed", "large", "tiny")
-
-
-def _rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref.float()).norm() / ref.float().norm())
 
 
 # ---------------------------------------------------------------- envelope (CPU)
@@ -161,14 +144,14 @@ def test_matches_reference_on_every_shape(shape, evidence):
     bound = REL_ERR_BOUND[shape.out_dtype]
     failures = []
     for dist in DISTRIBUTIONS:
-        w = _draw(dist, (shape.n, shape.k), gen, "cuda")
+        w = draw(dist, (shape.n, shape.k), gen, "cuda")
         for m in ROWS:
-            x = _draw(dist, (m, shape.k), gen, "cuda")
+            x = draw(dist, (m, shape.k), gen, "cuda")
             out = torch.full((m, shape.n), float("nan"), dtype=shape.out_dtype, device="cuda")
             skinny_gemm.launch(x, w, out, out_dtype=shape.out_dtype)
             ref = linear(x, w, torch.float32)
             unwritten = int(torch.isnan(out).sum())
-            rel = _rel_err(out, ref)
+            rel = rel_err(out, ref)
             ok = unwritten == 0 and rel < bound
             evidence.append({"name": f"{shape.name} M={m} {dist}", "status": "pass" if ok else "fail",
                              "shape": {"n": shape.n, "k": shape.k, "m": m,
@@ -187,8 +170,8 @@ def test_repeat_launch_and_cuda_graph(name, m):
     new inputs written in place (M = 37: the padded rows of the split-K sum are never stored)."""
     s = next(s for s in k3_gemm_shapes() if s.name == name)
     gen = torch.Generator(device="cuda").manual_seed(11)
-    w = _draw("normal", (s.n, s.k), gen, "cuda")
-    x = _draw("normal", (m, s.k), gen, "cuda")
+    w = draw("normal", (s.n, s.k), gen, "cuda")
+    x = draw("normal", (m, s.k), gen, "cuda")
     first = skinny_gemm.launch(x, w, out_dtype=s.out_dtype)
     for _ in range(3):
         assert torch.equal(skinny_gemm.launch(x, w, out_dtype=s.out_dtype), first)
@@ -204,9 +187,9 @@ def test_repeat_launch_and_cuda_graph(name, m):
             skinny_gemm.launch(x, w, out, out_dtype=s.out_dtype)
     torch.cuda.synchronize()
     assert torch.isnan(out).all(), "capture ran the kernel instead of recording it"
-    x.copy_(_draw("large", (m, s.k), gen, "cuda"))
+    x.copy_(draw("large", (m, s.k), gen, "cuda"))
     graph.replay()
     torch.cuda.synchronize()
     # the CPU oracle (fp64 sums), so that no cuBLAS kernel runs here: this test is the one the
     # racecheck record runs, and cuBLAS's own split-K kernels report shared-memory hazards
-    assert _rel_err(out.cpu(), linear(x.cpu(), w.cpu(), torch.float32)) < REL_ERR_BOUND[s.out_dtype]
+    assert rel_err(out.cpu(), linear(x.cpu(), w.cpu(), torch.float32)) < REL_ERR_BOUND[s.out_dtype]
