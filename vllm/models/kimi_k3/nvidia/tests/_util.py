@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
+import os
 
+import pytest
 import torch
 
 from vllm.models.kimi_k3.nvidia.latency_specialized.config import preset
@@ -107,3 +109,17 @@ def executor_rank_steps(coll, tp: int) -> tuple[list[bool], torch.Tensor]:
         want = m.logits(m.forward(ids, [ref.segment(r, j * q, q, prefill=False) for j, r in enumerate(slots)], ref))
         same.append(torch.equal(got, want))
     return same, got
+
+
+def _vllm_importable() -> bool:
+    try:
+        import vllm.config  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+REQUIRE_VLLM = os.environ.get("K3_REQUIRE_VLLM") == "1"
+needs_vllm = pytest.mark.skipif(
+    not (REQUIRE_VLLM or _vllm_importable()),
+    reason="needs vLLM (import vllm.config failed); the optional job .ci/vllm_cpu_job.sh runs it")

@@ -33,23 +33,11 @@ from vllm.models.kimi_k3.nvidia.latency_specialized.scope import ScopeError
 from vllm.models.kimi_k3.nvidia.latency_specialized.vllm_weights import (BindingError,
                                                                          bind_vllm_weights,
                                                                          repacked_experts)
+from vllm.models.kimi_k3.nvidia.tests._util import REQUIRE_VLLM, needs_vllm
 from vllm.models.kimi_k3.nvidia.latency_specialized.weights import (RandomSource,
                                                                     SafetensorsSource, load_rank,
                                                                     save_checkpoint)
 
-
-def _vllm_importable() -> bool:
-    try:
-        import vllm.config  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
-REQUIRE_VLLM = os.environ.get("K3_REQUIRE_VLLM") == "1"
-needs_vllm = pytest.mark.skipif(
-    not (REQUIRE_VLLM or _vllm_importable()),
-    reason="needs vLLM (import vllm.config failed); the optional job .ci/vllm_cpu_job.sh runs it")
 
 # vLLM's CPU MoE kernels have no SiTU activation; the binding does not depend on it
 CPU_CFG = preset("mini").replace(hidden_act="silu")
