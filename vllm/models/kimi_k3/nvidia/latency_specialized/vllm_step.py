@@ -12,7 +12,7 @@ device-side torch ops only (no host reads), so it can run inside vLLM's FULL CUD
 | `rec_read_slot [R]` | `rec_slots[r, accepted − 1]` | `fused_recurrent_kda`'s initial state index |
 | `conv_slot [R]` | `rec_slots[r, 0]` | `causal_conv1d_update`'s `conv_state_indices` |
 | `block_table`, `seq_lens` | MLA `decode.block_table`, `decode.seq_lens` (cached tokens after this step's) | columns past vLLM's: block 0 |
-| `cache_index [rows]` | MLA `slot_mapping` (flat cache row per token) | |
+| `cache_index [rows]` | the forward context's `slot_mapping[mla_layer]` (flat cache row per token), else the MLA metadata's | |
 | `ids [rows]` | `input_ids` | |
 
 A request whose KDA state index is ≤ 0 is padding (vLLM's KDA kernels skip it, its
@@ -45,9 +45,12 @@ class VllmDecodeStep:
 
     @classmethod
     def from_forward_context(cls, attn_metadata: Mapping[str, Any], kda_layer: str, mla_layer: str,
-                             input_ids: torch.Tensor) -> VllmDecodeStep:
+                             input_ids: torch.Tensor, slot_mapping: Mapping[str, torch.Tensor] | None = None
+                             ) -> VllmDecodeStep:
         """The step from `get_forward_context().attn_metadata`, keyed by layer prefix: `kda_layer` names
-        a KDA layer (GDN metadata), `mla_layer` an MLA layer (MLA common metadata with `.decode`)."""
+        a KDA layer (GDN metadata), `mla_layer` an MLA layer (MLA common metadata with `.decode`).
+        `slot_mapping` is `get_forward_context().slot_mapping`: vLLM 0.33.0's MLA cache write reads the
+        layer's entry there; the metadata's own `slot_mapping` is used where it has none."""
         kda, mla = attn_metadata.get(kda_layer), attn_metadata.get(mla_layer)
         if kda is None or mla is None or getattr(mla, "decode", None) is None:
             missing = [n for n, md in ((kda_layer, kda), (mla_layer, mla)) if md is None]
@@ -60,7 +63,7 @@ class VllmDecodeStep:
                    state_indices=spec if spec is not None else kda.non_spec_state_indices_tensor,
                    num_accepted=kda.num_accepted_tokens if spec is not None else None,
                    block_table=mla.decode.block_table, seq_lens=mla.decode.seq_lens,
-                   slot_mapping=mla.slot_mapping)
+                   slot_mapping=(slot_mapping or {}).get(mla_layer, mla.slot_mapping))
 
 
 def fill_step_meta(meta: StepMeta, step: VllmDecodeStep) -> None:

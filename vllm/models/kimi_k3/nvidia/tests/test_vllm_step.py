@@ -139,6 +139,9 @@ def test_the_step_is_read_from_the_forward_context_by_layer():
     verify = VllmDecodeStep.from_forward_context({"kda.0": _kda(spec=2), "mla.3": _mla()}, "kda.0", "mla.3", ids)
     assert verify.state_indices.tolist() == [[3, 4], [5, 6]] and verify.num_accepted.tolist() == [1, 2]
     assert verify.seq_lens.tolist() == [9, 4] and verify.slot_mapping.tolist() == [1, 2, 3, 4]
+    per_layer = {"mla.3": torch.tensor([8, 7, 6, 5])}  # forward_context.slot_mapping, what the cache write reads
+    assert VllmDecodeStep.from_forward_context({"kda.0": _kda(spec=2), "mla.3": _mla()}, "kda.0", "mla.3", ids,
+                                               per_layer).slot_mapping.tolist() == [8, 7, 6, 5]
     with pytest.raises(ExecutorError, match="mixing plain decode and verify"):
         VllmDecodeStep.from_forward_context({"kda.0": _kda(decodes=1, spec=1), "mla.3": _mla()}, "kda.0", "mla.3",
                                             ids)
