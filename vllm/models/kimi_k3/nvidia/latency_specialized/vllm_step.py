@@ -92,30 +92,21 @@ def fill_step_meta(meta: StepMeta, step: VllmDecodeStep) -> None:
     real = torch.zeros(requests, dtype=torch.bool, device=device)
     real[:b] = slots[:, 0] > 0
     real_rows = real.repeat_interleave(q)
+    accepted = None if step.num_accepted is None else step.num_accepted[:b].clamp(1, q)  # a valid gather index
+    _fill(meta.rec_slots, slots.clamp_min(0), real[:, None], 0)
+    _fill(meta.accepted, accepted, real, 1)
+    meta.rec_read_slot.copy_(meta.rec_slots.gather(1, (meta.accepted - 1).long()[:, None])[:, 0])
+    meta.conv_slot.copy_(meta.rec_slots[:, 0])
+    _fill(meta.block_table, step.block_table[:b], real[:, None], 0)
+    _fill(meta.seq_lens, step.seq_lens[:b], real, q)
+    _fill(meta.cache_index, step.slot_mapping[:b * q], real_rows,
+          torch.arange(rows, dtype=torch.int64, device=device))  # distinct rows of the null block 0
+    _fill(meta.ids, step.input_ids[:b * q], real_rows, 0)
 
-    rec = torch.zeros(requests, q, dtype=torch.int32, device=device)
-    rec[:b] = slots.to(torch.int32).clamp_min(0)
-    accepted = torch.ones(requests, dtype=torch.int32, device=device)
-    if step.num_accepted is not None:
-        accepted[:b] = step.num_accepted[:b].to(torch.int32).clamp(1, q)
-    accepted = torch.where(real, accepted, 1)
-    rec = torch.where(real[:, None], rec, 0)
-    meta.rec_slots.copy_(rec)
-    meta.accepted.copy_(accepted)
-    meta.rec_read_slot.copy_(rec.gather(1, (accepted - 1).long()[:, None])[:, 0])
-    meta.conv_slot.copy_(rec[:, 0])
 
-    table = torch.zeros_like(meta.block_table)
-    table[:b, :step.block_table.shape[1]] = step.block_table[:b].to(torch.int32)
-    meta.block_table.copy_(torch.where(real[:, None], table, 0))
-    lens = torch.full((requests,), q, dtype=torch.int32, device=device)
-    lens[:b] = step.seq_lens[:b].to(torch.int32)
-    meta.seq_lens.copy_(torch.where(real, lens, q))
-
-    null_rows = torch.arange(rows, dtype=torch.int64, device=device)  # distinct rows of the null block 0
-    index = null_rows.clone()
-    index[:b * q] = step.slot_mapping[:b * q].to(torch.int64)
-    meta.cache_index.copy_(torch.where(real_rows, index, null_rows))
-    ids = torch.zeros(rows, dtype=torch.int64, device=device)
-    ids[:b * q] = step.input_ids[:b * q].to(torch.int64)
-    meta.ids.copy_(torch.where(real_rows, ids, 0))
+def _fill(buf: torch.Tensor, src: torch.Tensor | None, keep: torch.Tensor, pad: int | torch.Tensor) -> None:
+    """buf ← src (which covers buf's leading rows and columns) where `keep`, `pad` everywhere else."""
+    staged = pad.clone() if isinstance(pad, torch.Tensor) else torch.full_like(buf, pad)
+    if src is not None:
+        staged[tuple(slice(0, n) for n in src.shape)] = src
+    buf.copy_(torch.where(keep, staged, pad))
