@@ -61,8 +61,8 @@ def _step(rng: random.Random, bucket_requests: int, q: int, vllm_requests: int):
     extra = rng.randint(0, 3)  # vLLM's token buffers run past the step
     step = VllmDecodeStep(
         input_ids=torch.tensor(ids + [7] * extra),
-        state_indices=torch.tensor(indices, dtype=torch.int32)[:, 0] if q == 1 else torch.tensor(indices,
-                                                                                                dtype=torch.int32),
+        state_indices=torch.tensor(indices, dtype=torch.int32).squeeze(1) if q == 1 else torch.tensor(
+            indices, dtype=torch.int32),  # vLLM's plain decode keeps a 1-D index per request
         num_accepted=None if q == 1 else torch.tensor(accepted, dtype=torch.int32),
         block_table=torch.stack(table).to(torch.int32), seq_lens=torch.tensor(lens, dtype=torch.int32),
         slot_mapping=torch.tensor(mapping + [-1] * extra, dtype=torch.int64))
