@@ -58,6 +58,9 @@ def _norm_weight(n: int, gen: torch.Generator, device: str = "cuda") -> torch.Te
     return (1.0 + 0.2 * torch.randn(n, generator=gen, device=device)).to(torch.bfloat16)
 
 
+TINY_NORM_WIDTHS = (32, 64)  # the tiny eval model's q_a and latent MoE norms (evals/tiny)
+
+
 def _nan(shape: tuple[int, ...], device: str = "cuda") -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
 
@@ -71,7 +74,8 @@ def _bf(*shape: int) -> torch.Tensor:
 @pytest.mark.parametrize("case, match", [
     ("dtype", "bfloat16"),
     ("rows", "M=65"),
-    ("width", "D=1000"),
+    ("width", "D=1004 must be a multiple of 8"),
+    ("wide", "D=8200 must be a multiple of 8 in 8..8192"),
     ("weight", "weight must be a [512]"),
     ("stride", "row stride"),
     ("cpu", "CUDA tensor"),
@@ -83,7 +87,9 @@ def test_rms_norm_envelope_errors(case, match):
     elif case == "rows":
         x = _bf(65, 512)
     elif case == "width":
-        x = _bf(4, 1000)
+        x, w = _bf(4, 1004), _bf(1004)
+    elif case == "wide":
+        x, w = _bf(4, 8200), _bf(8200)
     elif case == "weight":
         w = _bf(256)
     elif case == "stride":
@@ -151,9 +157,13 @@ def test_embedding_envelope_errors(case, match):
 
 
 def test_tilings_cover_the_envelope():
-    for d in rms_norm.NORM_WIDTHS:
+    for d in range(rms_norm.VEC, rms_norm.MAX_WIDTH + 1, rms_norm.VEC):
         p = rms_norm.RmsNormPlan.for_width(d, d, d)
-        assert p.vecs * p.threads * rms_norm.VEC == d and p.threads % 32 == 0 and p.threads <= 256
+        assert p.vecs * p.threads * rms_norm.VEC >= d and p.threads % 32 == 0 and p.threads <= 256
+        # whole vectors of spare threads only: fewer vectors per thread would not fit 256 threads
+        assert p.vecs == 1 or (p.vecs - 1) * 256 * rms_norm.VEC < d
+        assert p.exact == (p.vecs * p.threads * rms_norm.VEC == d)
+    assert all(rms_norm.RmsNormPlan.for_width(d, d, d).exact for d in rms_norm.NORM_WIDTHS)
     for t in attn_res.TILINGS.values():
         assert t.covers(H)
     for m in range(1, rms_norm.MAX_ROWS + 1):
@@ -171,6 +181,8 @@ def _attn_res_plan(n_blocks: int, split: int, *, out_norm: bool = True, mix_out:
 COMPILE_CASES = {
     "rms_norm d=1536 strided": lambda arch, ptx_dir: rms_norm.compile_rms_norm(
         rms_norm.RmsNormPlan.for_width(1536, 2112, 1536), arch, ptx_dir),
+    "rms_norm d=32 strided, spare lanes": lambda arch, ptx_dir: rms_norm.compile_rms_norm(
+        rms_norm.RmsNormPlan.for_width(32, 96, 32), arch, ptx_dir),
     "attn_res 9 sources split 7": lambda arch, ptx_dir: attn_res.compile_attn_res(
         _attn_res_plan(8, 7, out_norm=False), arch, ptx_dir),
     "attn_res final+norm split 2": lambda arch, ptx_dir: attn_res.compile_attn_res(
@@ -223,7 +235,7 @@ def _record(rows: list[dict], failures: list[str], name: str, rel: float, unwrit
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", rms_norm.NORM_WIDTHS)
+@pytest.mark.parametrize("d", (*rms_norm.NORM_WIDTHS, *TINY_NORM_WIDTHS, 200))
 def test_rms_norm_matches_reference(d, evidence):
     gen = torch.Generator(device="cuda").manual_seed(d)
     failures: list[str] = []
