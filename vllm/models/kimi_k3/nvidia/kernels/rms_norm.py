@@ -56,6 +56,15 @@ def row_vectors(ptr: cute.Pointer, rows: Int32, cols: int, row_stride: int) -> c
                               (1, VEC))
 
 
+def row_split(d: int) -> tuple[int, int]:
+    """(16-byte vectors per thread, threads) for one CTA over a row of d bf16: the fewest vectors per
+    thread that keep it at <= 256 threads, in whole warps. K3's widths divide exactly; otherwise
+    threads · vecs · 8 > d and the spare vectors are predicated off."""
+    nv = d // VEC
+    vecs = -(-nv // 256)
+    return vecs, 32 * -(-nv // (32 * vecs))
+
+
 def pow2_at_least(n: int) -> int:
     p = 1
     while p < n:
@@ -145,11 +154,7 @@ class RmsNormPlan:
 
     @staticmethod
     def for_width(d: int, x_stride: int, y_stride: int) -> RmsNormPlan:
-        # the fewest vectors per thread that keep the CTA at <= 256 threads (K3's widths divide exactly)
-        nv = d // VEC
-        vecs = -(-nv // 256)
-        threads = 32 * -(-nv // (32 * vecs))
-        return RmsNormPlan(d, x_stride, y_stride, vecs, threads)
+        return RmsNormPlan(d, x_stride, y_stride, *row_split(d))
 
     @property
     def exact(self) -> bool:

@@ -30,6 +30,7 @@ from vllm.models.kimi_k3.nvidia.kernels import (  # noqa: E402
     rms_norm,
 )
 from vllm.models.kimi_k3.nvidia.kernels.rms_norm import NormEnvelopeError  # noqa: E402
+from vllm.models.kimi_k3.nvidia.evals.tiny import config_named  # noqa: E402
 from vllm.models.kimi_k3.nvidia.latency_specialized.config import PRESETS  # noqa: E402
 from vllm.models.kimi_k3.nvidia.latency_specialized.evidence import write_record  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.attn_res import attn_res_mix  # noqa: E402
@@ -139,7 +140,7 @@ def test_attn_res_envelope_errors(case, match):
 @pytest.mark.parametrize("case, match", [
     ("ids", "int32 or int64"),
     ("rows", "M=65"),
-    ("hidden", "[V/T, 7168] shard"),
+    ("hidden", "H=4100 must be a multiple of 8"),
     ("out", "out must be [3, 7168]"),
 ])
 def test_embedding_envelope_errors(case, match):
@@ -149,7 +150,7 @@ def test_embedding_envelope_errors(case, match):
     elif case == "rows":
         ids = torch.arange(65)
     elif case == "hidden":
-        table = _bf(16, 4096)
+        table = _bf(16, 4100)
     elif case == "out":
         out = _bf(2, H)
     with pytest.raises(NormEnvelopeError, match=re.escape(match)):
@@ -188,7 +189,9 @@ COMPILE_CASES = {
     "attn_res final+norm split 2": lambda arch, ptx_dir: attn_res.compile_attn_res(
         _attn_res_plan(8, 2, mix_out=True), arch, ptx_dir),
     "embedding int64": lambda arch, ptx_dir: embedding.compile_embedding(
-        embedding.EmbeddingPlan(10240, 8 * H, True), arch, ptx_dir),
+        embedding.EmbeddingPlan(10240, 8 * H, True, H), arch, ptx_dir),
+    "embedding tiny H=128, spare lanes": lambda arch, ptx_dir: embedding.compile_embedding(
+        embedding.EmbeddingPlan(160, 8 * 128, False, 128), arch, ptx_dir),
 }
 
 
@@ -368,11 +371,12 @@ def test_attn_res_every_tiling_and_repeatable(split, evidence):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
-def test_embedding_matches_reference(ids_dtype, evidence):
-    cfg = PRESETS["k3"]
-    shard = cfg.shard(16, 3)
+@pytest.mark.parametrize("model, tp, rank", [("k3", 16, 3), ("tiny", 1, 0)])
+def test_embedding_matches_reference(ids_dtype, model, tp, rank, evidence):
+    cfg = config_named(model)
+    shard, h = cfg.shard(tp, rank), cfg.hidden_size
     gen = torch.Generator(device="cuda").manual_seed(4000)
-    table = draw("normal", (shard.vocab, H), gen, "cuda")
+    table = draw("normal", (shard.vocab, h), gen, "cuda")
     failures: list[str] = []
     for m in ROWS:
         # ids of this rank, of other ranks, negative (padding) and past the vocabulary
@@ -382,13 +386,14 @@ def test_embedding_matches_reference(ids_dtype, evidence):
         pick = torch.randint(0, 3, (m,), generator=gen, device="cuda")
         ids = torch.where(pick == 0, mine, torch.where(pick == 1, other, bad[torch.arange(m, device="cuda") % 4]))
         ids = ids.to(ids_dtype)
-        buf = _nan((m, 8, H))  # write straight into slot 0 of an AttnRes block buffer
+        buf = _nan((m, 8, h))  # write straight into slot 0 of an AttnRes block buffer
         embedding.launch(ids, table, shard.vocab_start, cfg.vocab_size, buf[:, 0])
-        ref = embed(ids.long(), table, shard, cfg.vocab_size, SingleRank(16, 3))
+        ref = embed(ids.long(), table, shard, cfg.vocab_size, SingleRank(tp, rank))
         got = buf[:, 0]
-        _record(evidence["embedding"], failures, f"embedding M={m} ids={str(ids_dtype).removeprefix('torch.')}",
+        name = f"embedding M={m} ids={str(ids_dtype).removeprefix('torch.')}" + ("" if model == "k3" else f" {model}")
+        _record(evidence["embedding"], failures, name,
                 0.0 if torch.equal(got, ref) else rel_err(got, ref), int(torch.isnan(got).sum()),
-                exact=torch.equal(got, ref), shape={"m": m, "shard_rows": shard.vocab, "h": H},
+                exact=torch.equal(got, ref), shape={"m": m, "shard_rows": shard.vocab, "h": h},
                 untouched_slots_still_nan=bool(torch.isnan(buf[:, 1:]).all()))
         if not torch.isnan(buf[:, 1:]).all():
             failures.append(f"M={m}: wrote outside slot 0")
