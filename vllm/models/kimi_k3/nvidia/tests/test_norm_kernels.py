@@ -60,6 +60,7 @@ def _norm_weight(n: int, gen: torch.Generator, device: str = "cuda") -> torch.Te
 
 
 TINY_NORM_WIDTHS = (32, 64)  # the tiny eval model's q_a and latent MoE norms (evals/tiny)
+SMALL_HIDDEN = (128, 200, 2048)  # AttnRes hidden sizes besides K3's: tiny's, spare lanes, the largest
 
 
 def _nan(shape: tuple[int, ...], device: str = "cuda") -> torch.Tensor:
@@ -169,7 +170,10 @@ def test_tilings_cover_the_envelope():
         assert t.covers(H)
     for m in range(1, rms_norm.MAX_ROWS + 1):
         t = attn_res.choose_tiling(m, 132)
-        assert t.covers(H) and t.split >= 2 and (m * t.split <= 132 or t.split == 2)
+        assert t.covers(H) and t.exact(H) and t.split >= 2 and (m * t.split <= 132 or t.split == 2)
+    for h in range(rms_norm.VEC, attn_res.MAX_SMALL_HIDDEN + 1, rms_norm.VEC):
+        t = attn_res.choose_tiling(1, 132, h)
+        assert t.split == 1 and t.vecs == 1 and t.covers(h) and t.exact(h) == (h % 256 == 0)
 
 
 # ---------------------------------------------------------------- compile checks (CPU)
@@ -188,6 +192,9 @@ COMPILE_CASES = {
         _attn_res_plan(8, 7, out_norm=False), arch, ptx_dir),
     "attn_res final+norm split 2": lambda arch, ptx_dir: attn_res.compile_attn_res(
         _attn_res_plan(8, 2, mix_out=True), arch, ptx_dir),
+    "attn_res tiny H=128 final+norm, spare lanes": lambda arch, ptx_dir: attn_res.compile_attn_res(
+        attn_res.AttnResPlan(128, 8, 128, 1024, True, 128, True, 128, True, 128, True, True, 128, 128,
+                             attn_res.choose_tiling(1, 132, 128)), arch, ptx_dir),
     "embedding int64": lambda arch, ptx_dir: embedding.compile_embedding(
         embedding.EmbeddingPlan(10240, 8 * H, True, H), arch, ptx_dir),
     "embedding tiny H=128, spare lanes": lambda arch, ptx_dir: embedding.compile_embedding(
@@ -203,7 +210,7 @@ def test_compiles_for_arch(arch, name, tmp_path):
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx  # 16-byte accesses only
     assert not re.search(r"\b(ld|st)\.local", ptx), "registers spilled to local memory"
     assert not re.search(r"ld\.global\.(b|u|s)(16|8)\b", ptx), "narrow loads of row data"
-    if name.startswith("attn_res"):
+    if name.startswith("attn_res") and "split" in name:  # cluster tilings (K3's H)
         assert "barrier.cluster.arrive.relaxed" in ptx  # armed before the loads
         assert "st.shared::cluster.f32" in ptx and "mapa.shared::cluster" in ptx  # partial sums pushed to peers
 
@@ -261,16 +268,18 @@ class _Layer:
     """One AttnRes call's inputs on an upstream-style [M, 8, H] block buffer, with source scales
     that differ (the embedding is small, block sums grow with depth)."""
 
-    def __init__(self, m: int, dist: str, gen: torch.Generator):
-        self.buf = torch.empty((m, 8, H), dtype=torch.bfloat16, device="cuda")
+    def __init__(self, m: int, dist: str, gen: torch.Generator, h: int = H):
+        self.h = h
+        self.buf = torch.empty((m, 8, h), dtype=torch.bfloat16, device="cuda")
         for j in range(8):
-            self.buf[:, j] = draw(dist, (m, H), gen, "cuda") * (0.25 * (j + 1))
+            self.buf[:, j] = draw(dist, (m, h), gen, "cuda") * (0.25 * (j + 1))
         self.blocks = self.buf.transpose(0, 1)  # [8, M, H] view, strides (H, 8H, 1)
-        self.prefix = draw(dist, (m, H), gen, "cuda") * 2
-        self.addend = draw(dist, (m, H), gen, "cuda")
-        self.norm_w = _norm_weight(H, gen)
-        self.proj_w = (0.02 * torch.randn(H, generator=gen, device="cuda")).to(torch.bfloat16)
-        self.out_w = _norm_weight(H, gen)
+        self.prefix = draw(dist, (m, h), gen, "cuda") * 2
+        self.addend = draw(dist, (m, h), gen, "cuda")
+        self.norm_w = _norm_weight(h, gen)
+        # logits v·(γ⊙w)/RMS(v) of the same spread at every H
+        self.proj_w = (0.02 * (H / h) ** 0.5 * torch.randn(h, generator=gen, device="cuda")).to(torch.bfloat16)
+        self.out_w = _norm_weight(h, gen)
 
     def sources(self, n_blocks: int, live: torch.Tensor | None) -> list[torch.Tensor]:
         return [self.blocks[s] for s in range(n_blocks)] + ([live] if live is not None else [])
@@ -288,7 +297,7 @@ def _run_attn_res(layer: _Layer, form: str, nb: int, tiling=None):
     """Launch one form; return (out, live (or None), mix_out (or None), reference out, reference live,
     reference mix)."""
     m = layer.prefix.shape[0]
-    out = _nan((m, H))
+    out = _nan((m, layer.h))
     kw: dict = {"out": out, "tiling": tiling}
     live_ref = mix_ref = None
     prefix = layer.prefix.clone()
@@ -303,7 +312,7 @@ def _run_attn_res(layer: _Layer, form: str, nb: int, tiling=None):
     if form not in ("final",):
         kw["out_w"] = layer.out_w
     if form == "final_with_norm":
-        kw["mix_out"] = _nan((m, H))
+        kw["mix_out"] = _nan((m, layer.h))
     if form == "layer0":
         attn_res.launch(layer.blocks, 1, None, layer.norm_w, layer.proj_w, EPS, **kw)
         ref = attn_res_mix(layer.sources(1, None), layer.norm_w, layer.proj_w, EPS, layer.out_w, EPS)
@@ -348,6 +357,33 @@ def test_attn_res_matches_reference(form, nb, evidence):
             _record(evidence["attn_res"], failures, f"attn_res {form} n_blocks={nb} M={m} {dist}", rel, unwritten,
                     exact=exact, shape={"m": m, "n_blocks": nb, "h": H}, form=form, distribution=dist,
                     tiling=attn_res.choose_tiling(m, torch.cuda.get_device_properties(0).multi_processor_count).split)
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("h", SMALL_HIDDEN)
+def test_attn_res_small_hidden_matches_reference(h, evidence):
+    """Every call form at hidden sizes other than K3's: one CTA per row, spare lanes off (H = 200:
+    25 of 32 lanes; 2048: whole warps)."""
+    gen = torch.Generator(device="cuda").manual_seed(5000 + h)
+    failures: list[str] = []
+    for form, nb in ATTN_RES_FORMS:
+        for dist in DISTRIBUTIONS:
+            for m in (1, 64):
+                layer = _Layer(m, dist, gen, h)
+                out, live, mix, ref, live_ref, mix_ref = _run_attn_res(layer, form, nb)
+                unwritten = int(torch.isnan(out).sum())
+                exact = None
+                if live is not None:
+                    unwritten += int(torch.isnan(live).sum())
+                    exact = torch.equal(live, live_ref)
+                rel = rel_err(out, ref)
+                if mix is not None:
+                    unwritten += int(torch.isnan(mix).sum())
+                    rel = max(rel, rel_err(mix, mix_ref))
+                _record(evidence["attn_res"], failures, f"attn_res H={h} {form} n_blocks={nb} M={m} {dist}", rel,
+                        unwritten, exact=exact, shape={"m": m, "n_blocks": nb, "h": h}, form=form,
+                        distribution=dist, tiling=1)
     assert not failures, "; ".join(failures)
 
 
