@@ -139,6 +139,19 @@ def block_sums(vals: cute.Tensor, red: cute.Tensor, fin: cute.Tensor, rank: Int3
         vals[i] = total
 
 
+@cute.jit
+def row_rrms(xf: cute.TensorSSA, d: Constexpr, eps: Float32, warps: Constexpr) -> Float32:
+    """1 / RMS_eps of one row whose fp32 values are spread over the CTA's threads (xf: this
+    thread's; spare lanes hold zeros). Allocates its reduction scratch in shared memory."""
+    smem = cutlass.memory.SmemAllocator()
+    red = smem.allocate_tensor(Float32, cute.make_layout((1, warps)), byte_alignment=16)
+    fin = smem.allocate_tensor(Float32, cute.make_layout((1, 1)), byte_alignment=16)
+    sums = cute.make_rmem_tensor(cute.make_layout(1), Float32)
+    sums[0] = (xf * xf).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
+    block_sums(sums, red, fin, Int32(0), 1, warps, 1)
+    return cute.math.rsqrt(sums[0] * (1.0 / d) + eps)
+
+
 # ---------------------------------------------------------------- the kernel
 
 
@@ -186,14 +199,8 @@ def _rms_norm_kernel(x_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Point
                 cute.autovec_copy(x[(0, None), (row, tid + v * threads)], xr[None, v])
                 cute.autovec_copy(w[(0, None), (0, tid + v * threads)], wr[None, v])
 
-    smem = cutlass.memory.SmemAllocator()
-    red = smem.allocate_tensor(Float32, cute.make_layout((1, threads // 32)), byte_alignment=16)
-    fin = smem.allocate_tensor(Float32, cute.make_layout((1, 1)), byte_alignment=16)
     xf = xr.load().to(Float32)
-    sums = cute.make_rmem_tensor(cute.make_layout(1), Float32)
-    sums[0] = (xf * xf).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
-    block_sums(sums, red, fin, Int32(0), 1, threads // 32, 1)
-    rrms = cute.math.rsqrt(sums[0] * (1.0 / plan.d) + eps)
+    rrms = row_rrms(xf, plan.d, eps, threads // 32)
 
     yr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
     yr.store((xf * rrms * wr.load().to(Float32)).to(BFloat16))
