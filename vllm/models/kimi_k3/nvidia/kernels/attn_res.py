@@ -58,6 +58,7 @@ from .rms_norm import (
     check_row_count,
     check_rows,
     check_vector,
+    copy_if,
     current_stream,
     device_arch,
     gmem_ptr,
@@ -133,16 +134,6 @@ class AttnResPlan:
         return self.n_blocks + int(self.has_prefix)
 
 
-@cute.jit
-def _copy_if(src: cute.Tensor, dst: cute.Tensor, ok: cutlass.Boolean, exact: Constexpr):
-    """One 16-byte vector copy; with spare lanes (a tiling that is not exact) only where it exists."""
-    if const_expr(exact):
-        cute.autovec_copy(src, dst)
-    else:
-        if ok:
-            cute.autovec_copy(src, dst)
-
-
 @cute.kernel
 def _attn_res_kernel(blk_ptr: cute.Pointer, pre_ptr: cute.Pointer, add_ptr: cute.Pointer, live_ptr: cute.Pointer,
                      nw_ptr: cute.Pointer, pw_ptr: cute.Pointer, ow_ptr: cute.Pointer, out_ptr: cute.Pointer,
@@ -171,7 +162,7 @@ def _attn_res_kernel(blk_ptr: cute.Pointer, pre_ptr: cute.Pointer, add_ptr: cute
             (1, 1, VEC))
         for s in cutlass.range_constexpr(plan.n_blocks):
             for v in cutlass.range_constexpr(vecs):
-                _copy_if(blk[(0, 0, None), (s, row, col0 + v * threads)], src[None, v, s], ok[v], exact)
+                copy_if(blk[(0, 0, None), (s, row, col0 + v * threads)], src[None, v, s], ok[v], exact)
     if const_expr(plan.has_prefix):
         pre = row_vectors(pre_ptr, m, h, plan.prefix_stride)
         if const_expr(plan.has_addend):
@@ -182,16 +173,16 @@ def _attn_res_kernel(blk_ptr: cute.Pointer, pre_ptr: cute.Pointer, add_ptr: cute
                 pr.fill(0.0)
                 ad.fill(0.0)
             for v in cutlass.range_constexpr(vecs):
-                _copy_if(pre[(0, None), (row, col0 + v * threads)], pr[None, v], ok[v], exact)
-                _copy_if(add[(0, None), (row, col0 + v * threads)], ad[None, v], ok[v], exact)
+                copy_if(pre[(0, None), (row, col0 + v * threads)], pr[None, v], ok[v], exact)
+                copy_if(add[(0, None), (row, col0 + v * threads)], ad[None, v], ok[v], exact)
             src[None, None, n_src - 1].store((pr.load().to(Float32) + ad.load().to(Float32)).to(BFloat16))
             if const_expr(plan.has_live_out):
                 live = row_vectors(live_ptr, m, h, plan.live_stride)
                 for v in cutlass.range_constexpr(vecs):
-                    _copy_if(src[None, v, n_src - 1], live[(0, None), (row, col0 + v * threads)], ok[v], exact)
+                    copy_if(src[None, v, n_src - 1], live[(0, None), (row, col0 + v * threads)], ok[v], exact)
         else:
             for v in cutlass.range_constexpr(vecs):
-                _copy_if(pre[(0, None), (row, col0 + v * threads)], src[None, v, n_src - 1], ok[v], exact)
+                copy_if(pre[(0, None), (row, col0 + v * threads)], src[None, v, n_src - 1], ok[v], exact)
 
     smem = cutlass.memory.SmemAllocator()
     warps = threads // 32
@@ -204,15 +195,15 @@ def _attn_res_kernel(blk_ptr: cute.Pointer, pre_ptr: cute.Pointer, add_ptr: cute
             nwr.fill(0.0)
             pwr.fill(0.0)
         for v in cutlass.range_constexpr(vecs):
-            _copy_if(nw[(0, None), (0, col0 + v * threads)], nwr[None, v], ok[v], exact)
-            _copy_if(pw[(0, None), (0, col0 + v * threads)], pwr[None, v], ok[v], exact)
+            copy_if(nw[(0, None), (0, col0 + v * threads)], nwr[None, v], ok[v], exact)
+            copy_if(pw[(0, None), (0, col0 + v * threads)], pwr[None, v], ok[v], exact)
     if const_expr(plan.has_out_norm):
         ow = row_vectors(ow_ptr, 1, h, h)
         owr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
         if const_expr(not exact):
             owr.fill(0.0)
         for v in cutlass.range_constexpr(vecs):
-            _copy_if(ow[(0, None), (0, col0 + v * threads)], owr[None, v], ok[v], exact)
+            copy_if(ow[(0, None), (0, col0 + v * threads)], owr[None, v], ok[v], exact)
 
     if const_expr(n_src > 1):
         n_sums = 2 * n_src
@@ -252,7 +243,7 @@ def _attn_res_kernel(blk_ptr: cute.Pointer, pre_ptr: cute.Pointer, add_ptr: cute
             res.store(mix.to(BFloat16))
             mix_out = row_vectors(mix_ptr, m, h, plan.mix_stride)
             for v in cutlass.range_constexpr(vecs):
-                _copy_if(res[None, v], mix_out[(0, None), (row, col0 + v * threads)], ok[v], exact)
+                copy_if(res[None, v], mix_out[(0, None), (row, col0 + v * threads)], ok[v], exact)
             mix = res.load().to(Float32)
         red2 = smem.allocate_tensor(Float32, cute.make_layout((1, warps)), byte_alignment=16)
         fin2 = smem.allocate_tensor(Float32, cute.make_layout((1, split)), byte_alignment=16)
@@ -265,7 +256,7 @@ def _attn_res_kernel(blk_ptr: cute.Pointer, pre_ptr: cute.Pointer, add_ptr: cute
         res.store(mix.to(BFloat16))
     out = row_vectors(out_ptr, m, h, plan.out_stride)
     for v in cutlass.range_constexpr(vecs):
-        _copy_if(res[None, v], out[(0, None), (row, col0 + v * threads)], ok[v], exact)
+        copy_if(res[None, v], out[(0, None), (row, col0 + v * threads)], ok[v], exact)
 
 
 @cute.jit

@@ -30,7 +30,7 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import BFloat16, Constexpr, Int32, Int64, const_expr
+from cutlass import BFloat16, Constexpr, Int32, Int64
 
 from .rms_norm import (
     MAX_WIDTH,
@@ -38,6 +38,7 @@ from .rms_norm import (
     check_devices,
     check_row_count,
     check_rows,
+    copy_if,
     current_stream,
     device_arch,
     gmem_ptr,
@@ -84,17 +85,10 @@ def _embedding_kernel(ids_ptr: cute.Pointer, table_ptr: cute.Pointer, out_ptr: c
     vals.fill(0.0)
     if (tok >= 0) & (tok < vocab_size) & (local >= 0) & (local < plan.shard_rows):
         for v in cutlass.range_constexpr(vecs):
-            if const_expr(plan.exact):
-                cute.autovec_copy(table[(0, None), (Int32(local), tid + v * threads)], vals[None, v])
-            else:
-                if tid + v * threads < h // VEC:
-                    cute.autovec_copy(table[(0, None), (Int32(local), tid + v * threads)], vals[None, v])
+            copy_if(table[(0, None), (Int32(local), tid + v * threads)], vals[None, v], tid + v * threads < h // VEC,
+                    plan.exact)
     for v in cutlass.range_constexpr(vecs):
-        if const_expr(plan.exact):
-            cute.autovec_copy(vals[None, v], out[(0, None), (row, tid + v * threads)])
-        else:
-            if tid + v * threads < h // VEC:
-                cute.autovec_copy(vals[None, v], out[(0, None), (row, tid + v * threads)])
+        copy_if(vals[None, v], out[(0, None), (row, tid + v * threads)], tid + v * threads < h // VEC, plan.exact)
 
 
 @cute.jit

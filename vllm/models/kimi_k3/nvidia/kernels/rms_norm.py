@@ -65,6 +65,16 @@ def row_split(d: int) -> tuple[int, int]:
     return vecs, 32 * -(-nv // (32 * vecs))
 
 
+@cute.jit
+def copy_if(src: cute.Tensor, dst: cute.Tensor, ok: cutlass.Boolean, exact: Constexpr):
+    """One 16-byte vector copy; with spare lanes (a row split that is not exact) only where `ok`."""
+    if const_expr(exact):
+        cute.autovec_copy(src, dst)
+    else:
+        if ok:
+            cute.autovec_copy(src, dst)
+
+
 def pow2_at_least(n: int) -> int:
     p = 1
     while p < n:
@@ -186,18 +196,13 @@ def _rms_norm_kernel(x_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Point
     nv = plan.d // VEC
     xr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
     wr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
-    if const_expr(plan.exact):
-        for v in cutlass.range_constexpr(vecs):
-            cute.autovec_copy(x[(0, None), (row, tid + v * threads)], xr[None, v])
-        for v in cutlass.range_constexpr(vecs):
-            cute.autovec_copy(w[(0, None), (0, tid + v * threads)], wr[None, v])
-    else:
+    if const_expr(not plan.exact):
         xr.fill(0.0)  # spare vectors add nothing to the sum
         wr.fill(0.0)
-        for v in cutlass.range_constexpr(vecs):
-            if tid + v * threads < nv:
-                cute.autovec_copy(x[(0, None), (row, tid + v * threads)], xr[None, v])
-                cute.autovec_copy(w[(0, None), (0, tid + v * threads)], wr[None, v])
+    for v in cutlass.range_constexpr(vecs):
+        copy_if(x[(0, None), (row, tid + v * threads)], xr[None, v], tid + v * threads < nv, plan.exact)
+    for v in cutlass.range_constexpr(vecs):
+        copy_if(w[(0, None), (0, tid + v * threads)], wr[None, v], tid + v * threads < nv, plan.exact)
 
     xf = xr.load().to(Float32)
     rrms = row_rrms(xf, plan.d, eps, threads // 32)
@@ -205,11 +210,7 @@ def _rms_norm_kernel(x_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Point
     yr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
     yr.store((xf * rrms * wr.load().to(Float32)).to(BFloat16))
     for v in cutlass.range_constexpr(vecs):
-        if const_expr(plan.exact):
-            cute.autovec_copy(yr[None, v], y[(0, None), (row, tid + v * threads)])
-        else:
-            if tid + v * threads < nv:
-                cute.autovec_copy(yr[None, v], y[(0, None), (row, tid + v * threads)])
+        copy_if(yr[None, v], y[(0, None), (row, tid + v * threads)], tid + v * threads < nv, plan.exact)
 
 
 @cute.jit
