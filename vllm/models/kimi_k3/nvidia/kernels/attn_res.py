@@ -18,7 +18,8 @@ and rounded, exactly as the running sums of §3.2 (`Pr' = bf16(Pr + Δ)`):
 Reference: `reference/attn_res.py::attn_res_mix` on the source list, after
 `reference/ops.py::bf16_add` for the prefix and `reference/ops.py::rms_norm` for the final norm.
 
-Envelope: H = 7168; 1 <= M <= 64 rows; 1..9 sources. `blocks` is any `[slots, M, H]` BF16 view
+Envelope: H = 7168 (K3), or H % 8 = 0 with H <= 2048 (the tiny eval model's 128: one CTA of whole
+warps per row, spare lanes predicated off); 1 <= M <= 64 rows; 1..9 sources. `blocks` is any `[slots, M, H]` BF16 view
 with H contiguous (upstream's `[M, 8, H]` buffer passes as `buf.transpose(0, 1)`); prefix,
 addend, live_out, mix_out and out are `[M, H]` BF16 with contiguous rows (any row stride that is
 a multiple of 8, so live_out may be a block slot `buf[:, j]` when a block completes); γ, w, g are
@@ -57,15 +58,18 @@ from .rms_norm import (
     check_row_count,
     check_rows,
     check_vector,
+    copy_if,
     current_stream,
     device_arch,
     gmem_ptr,
     need,
     pow2_at_least,
+    row_split,
     row_vectors,
 )
 
-HIDDEN = 7168
+HIDDEN = 7168  # K3's hidden size, with its cluster tilings below
+MAX_SMALL_HIDDEN = 2048  # other hidden sizes: one CTA per row, one vector per thread and source
 MAX_SOURCES = 9  # e, S_0..S_6 and the live prefix of the final AttnRes
 
 
@@ -80,6 +84,11 @@ class AttnResTiling:
             raise ValueError(f"{self}: threads must be whole warps (32..1024), split 1..8")
 
     def covers(self, h: int) -> bool:
+        """Each CTA's h / 8 / split vectors fill its last vector round (spare lanes only there)."""
+        part = h // VEC // self.split
+        return h % (VEC * self.split) == 0 and (self.vecs - 1) * self.threads < part <= self.vecs * self.threads
+
+    def exact(self, h: int) -> bool:
         return self.split * self.vecs * self.threads * VEC == h
 
 
@@ -89,8 +98,11 @@ class AttnResTiling:
 TILINGS = {2: AttnResTiling(2, 1, 448), 4: AttnResTiling(4, 1, 224), 7: AttnResTiling(7, 1, 128)}
 
 
-def choose_tiling(m: int, sm_count: int) -> AttnResTiling:
-    """The widest split whose CTAs (M · split) still fit one per SM (at least two per row)."""
+def choose_tiling(m: int, sm_count: int, h: int = HIDDEN) -> AttnResTiling:
+    """K3's H: the widest split whose CTAs (M · split) still fit one per SM (at least two per row).
+    A small H: one CTA per row (`row_split`)."""
+    if h != HIDDEN:
+        return AttnResTiling(1, *row_split(h))
     for split in (7, 4):
         if m * split <= sm_count:
             return TILINGS[split]
@@ -135,8 +147,14 @@ def _attn_res_kernel(blk_ptr: cute.Pointer, pre_ptr: cute.Pointer, add_ptr: cute
     h = plan.h
     n_src = plan.n_sources
     col0 = part * (h // VEC // split) + tid  # this thread's first vector; the others every `threads`
+    exact = t.exact(h)
+    ok = [True] * vecs  # which of this thread's vectors exist (all of them when the tiling is exact)
+    if const_expr(not exact):
+        ok = [tid + v * threads < h // VEC // split for v in range(vecs)]
 
     src = cute.make_rmem_tensor(cute.make_layout((VEC, vecs, n_src)), BFloat16)
+    if const_expr(not exact):
+        src.fill(0.0)  # spare vectors add nothing to the sums
     if const_expr(plan.n_blocks > 0):
         blk = cute.zipped_divide(
             cute.make_tensor(blk_ptr, cute.make_layout((plan.n_blocks, m, h),
@@ -144,24 +162,27 @@ def _attn_res_kernel(blk_ptr: cute.Pointer, pre_ptr: cute.Pointer, add_ptr: cute
             (1, 1, VEC))
         for s in cutlass.range_constexpr(plan.n_blocks):
             for v in cutlass.range_constexpr(vecs):
-                cute.autovec_copy(blk[(0, 0, None), (s, row, col0 + v * threads)], src[None, v, s])
+                copy_if(blk[(0, 0, None), (s, row, col0 + v * threads)], src[None, v, s], ok[v], exact)
     if const_expr(plan.has_prefix):
         pre = row_vectors(pre_ptr, m, h, plan.prefix_stride)
         if const_expr(plan.has_addend):
             add = row_vectors(add_ptr, m, h, plan.addend_stride)
             pr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
             ad = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
+            if const_expr(not exact):
+                pr.fill(0.0)
+                ad.fill(0.0)
             for v in cutlass.range_constexpr(vecs):
-                cute.autovec_copy(pre[(0, None), (row, col0 + v * threads)], pr[None, v])
-                cute.autovec_copy(add[(0, None), (row, col0 + v * threads)], ad[None, v])
+                copy_if(pre[(0, None), (row, col0 + v * threads)], pr[None, v], ok[v], exact)
+                copy_if(add[(0, None), (row, col0 + v * threads)], ad[None, v], ok[v], exact)
             src[None, None, n_src - 1].store((pr.load().to(Float32) + ad.load().to(Float32)).to(BFloat16))
             if const_expr(plan.has_live_out):
                 live = row_vectors(live_ptr, m, h, plan.live_stride)
                 for v in cutlass.range_constexpr(vecs):
-                    cute.autovec_copy(src[None, v, n_src - 1], live[(0, None), (row, col0 + v * threads)])
+                    copy_if(src[None, v, n_src - 1], live[(0, None), (row, col0 + v * threads)], ok[v], exact)
         else:
             for v in cutlass.range_constexpr(vecs):
-                cute.autovec_copy(pre[(0, None), (row, col0 + v * threads)], src[None, v, n_src - 1])
+                copy_if(pre[(0, None), (row, col0 + v * threads)], src[None, v, n_src - 1], ok[v], exact)
 
     smem = cutlass.memory.SmemAllocator()
     warps = threads // 32
@@ -170,14 +191,19 @@ def _attn_res_kernel(blk_ptr: cute.Pointer, pre_ptr: cute.Pointer, add_ptr: cute
         pw = row_vectors(pw_ptr, 1, h, h)
         nwr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
         pwr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
+        if const_expr(not exact):
+            nwr.fill(0.0)
+            pwr.fill(0.0)
         for v in cutlass.range_constexpr(vecs):
-            cute.autovec_copy(nw[(0, None), (0, col0 + v * threads)], nwr[None, v])
-            cute.autovec_copy(pw[(0, None), (0, col0 + v * threads)], pwr[None, v])
+            copy_if(nw[(0, None), (0, col0 + v * threads)], nwr[None, v], ok[v], exact)
+            copy_if(pw[(0, None), (0, col0 + v * threads)], pwr[None, v], ok[v], exact)
     if const_expr(plan.has_out_norm):
         ow = row_vectors(ow_ptr, 1, h, h)
         owr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
+        if const_expr(not exact):
+            owr.fill(0.0)
         for v in cutlass.range_constexpr(vecs):
-            cute.autovec_copy(ow[(0, None), (0, col0 + v * threads)], owr[None, v])
+            copy_if(ow[(0, None), (0, col0 + v * threads)], owr[None, v], ok[v], exact)
 
     if const_expr(n_src > 1):
         n_sums = 2 * n_src
@@ -217,7 +243,7 @@ def _attn_res_kernel(blk_ptr: cute.Pointer, pre_ptr: cute.Pointer, add_ptr: cute
             res.store(mix.to(BFloat16))
             mix_out = row_vectors(mix_ptr, m, h, plan.mix_stride)
             for v in cutlass.range_constexpr(vecs):
-                cute.autovec_copy(res[None, v], mix_out[(0, None), (row, col0 + v * threads)])
+                copy_if(res[None, v], mix_out[(0, None), (row, col0 + v * threads)], ok[v], exact)
             mix = res.load().to(Float32)
         red2 = smem.allocate_tensor(Float32, cute.make_layout((1, warps)), byte_alignment=16)
         fin2 = smem.allocate_tensor(Float32, cute.make_layout((1, split)), byte_alignment=16)
@@ -230,7 +256,7 @@ def _attn_res_kernel(blk_ptr: cute.Pointer, pre_ptr: cute.Pointer, add_ptr: cute
         res.store(mix.to(BFloat16))
     out = row_vectors(out_ptr, m, h, plan.out_stride)
     for v in cutlass.range_constexpr(vecs):
-        cute.autovec_copy(res[None, v], out[(0, None), (row, col0 + v * threads)])
+        copy_if(res[None, v], out[(0, None), (row, col0 + v * threads)], ok[v], exact)
 
 
 @cute.jit
@@ -258,8 +284,8 @@ def compile_attn_res(plan: AttnResPlan, arch: str, ptx_dir: str | None = None) -
 
 def _check(blocks: torch.Tensor | None, n_blocks: int, prefix: torch.Tensor | None, norm_w: torch.Tensor,
            proj_w: torch.Tensor, addend: torch.Tensor | None, live_out: torch.Tensor | None,
-           out_w: torch.Tensor | None, mix_out: torch.Tensor | None, out: torch.Tensor | None) -> int:
-    """Raise NormEnvelopeError naming what is outside the envelope (no GPU work); return M."""
+           out_w: torch.Tensor | None, mix_out: torch.Tensor | None, out: torch.Tensor | None) -> tuple[int, int]:
+    """Raise NormEnvelopeError naming what is outside the envelope (no GPU work); return (M, H)."""
     k = "attn_res"
     need(isinstance(n_blocks, int) and n_blocks >= 0, k, f"n_blocks must be an int >= 0, got {n_blocks!r}")
     n_src = n_blocks + (prefix is not None)
@@ -269,32 +295,33 @@ def _check(blocks: torch.Tensor | None, n_blocks: int, prefix: torch.Tensor | No
         need(isinstance(blocks, torch.Tensor) and blocks.dim() == 3, k,
              "blocks must be a [slots, M, H] tensor (an [M, 8, H] buffer passes as buf.transpose(0, 1))")
         need(blocks.shape[0] >= n_blocks, k, f"n_blocks={n_blocks} but blocks has only {blocks.shape[0]} slots")
-        need(blocks.shape[2] == HIDDEN, k, f"H={blocks.shape[2]}; the kernel is built for H={HIDDEN}")
         need(blocks.dtype == torch.bfloat16, k, f"blocks must be bfloat16, got {blocks.dtype}")
         need(blocks.stride(2) == 1 and blocks.stride(0) % VEC == 0 and blocks.stride(1) % VEC == 0
              and blocks.data_ptr() % 16 == 0, k,
              f"blocks must have H contiguous, slot and row strides multiples of 8 and 16-byte alignment "
              f"(got strides {tuple(blocks.stride())})")
-        m = blocks.shape[1]
+        m, h = blocks.shape[1], blocks.shape[2]
     else:
         need(isinstance(prefix, torch.Tensor) and prefix.dim() == 2, k, "prefix must be a [M, H] tensor")
-        m = prefix.shape[0]
+        m, h = prefix.shape
+    need(h == HIDDEN or (h % VEC == 0 and VEC <= h <= MAX_SMALL_HIDDEN), k,
+         f"H={h}: the kernel takes K3's H={HIDDEN} or a multiple of {VEC} up to {MAX_SMALL_HIDDEN}")
     check_row_count(k, m)
     if prefix is not None:
-        check_rows(k, "prefix", prefix, m, HIDDEN)
+        check_rows(k, "prefix", prefix, m, h)
     need(addend is None or prefix is not None, k, "addend given without a prefix to add it to")
     need(live_out is None or addend is not None, k, "live_out is only written when an addend advances the prefix")
     need(mix_out is None or out_w is not None, k, "mix_out (the rounded mixture before the norm) needs out_w")
     for name, t in (("addend", addend), ("live_out", live_out), ("mix_out", mix_out), ("out", out)):
         if t is not None:
-            check_rows(k, name, t, m, HIDDEN)
+            check_rows(k, name, t, m, h)
     for name, t in (("norm_w", norm_w), ("proj_w", proj_w), ("out_w", out_w)):
         if t is not None:
-            check_vector(k, name, t, HIDDEN)
+            check_vector(k, name, t, h)
     check_devices(k, {"blocks": blocks if n_blocks else None, "prefix": prefix, "addend": addend,
                       "live_out": live_out, "mix_out": mix_out, "out": out, "norm_w": norm_w, "proj_w": proj_w,
                       "out_w": out_w})
-    return m
+    return m, h
 
 
 _COMPILED: dict[tuple[AttnResPlan, str], Any] = {}
@@ -312,20 +339,20 @@ def launch(blocks: torch.Tensor | None, n_blocks: int, prefix: torch.Tensor | No
     to live_out). The first call of a variant compiles (about a second); later calls only launch.
     `tiling` overrides the heuristic (benchmarks compare them).
     """
-    m = _check(blocks, n_blocks, prefix, norm_w, proj_w, addend, live_out, out_w, mix_out, out)
+    m, h = _check(blocks, n_blocks, prefix, norm_w, proj_w, addend, live_out, out_w, mix_out, out)
     anchor = blocks if n_blocks else prefix
     dev = anchor.device
     if out is None:
-        out = torch.empty((m, HIDDEN), dtype=torch.bfloat16, device=dev)
+        out = torch.empty((m, h), dtype=torch.bfloat16, device=dev)
     if dev not in _SM_COUNT:
         _SM_COUNT[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    tiling = tiling or choose_tiling(m, _SM_COUNT[dev])
-    need(tiling.covers(HIDDEN), "attn_res", f"{tiling} does not tile H={HIDDEN}")
+    tiling = tiling or choose_tiling(m, _SM_COUNT[dev], h)
+    need(tiling.covers(h), "attn_res", f"{tiling} does not tile H={h}")
 
     def stride(t: torch.Tensor | None, dim: int = 0) -> int:
         return t.stride(dim) if t is not None else 0
 
-    plan = AttnResPlan(HIDDEN, n_blocks, stride(blocks if n_blocks else None, 0), stride(blocks if n_blocks else None, 1),
+    plan = AttnResPlan(h, n_blocks, stride(blocks if n_blocks else None, 0), stride(blocks if n_blocks else None, 1),
                        prefix is not None, stride(prefix), addend is not None, stride(addend),
                        live_out is not None, stride(live_out), out_w is not None, mix_out is not None,
                        stride(mix_out), out.stride(0), tiling)

@@ -44,7 +44,6 @@ from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, const_expr
 
 from .rms_norm import (
     VEC,
-    block_sums,
     check_devices,
     check_row_count,
     check_rows,
@@ -53,6 +52,7 @@ from .rms_norm import (
     device_arch,
     gmem_ptr,
     need,
+    row_rrms,
     row_vectors,
 )
 
@@ -93,14 +93,8 @@ def _mla_cache_write_kernel(kv_ptr: cute.Pointer, pe_ptr: cute.Pointer, w_ptr: c
     cute.autovec_copy(w[(0, None), (0, tid)], wr)
     slot = slots[row]
 
-    smem = cutlass.memory.SmemAllocator()
-    red = smem.allocate_tensor(Float32, cute.make_layout((1, THREADS // 32)), byte_alignment=16)
-    fin = smem.allocate_tensor(Float32, cute.make_layout((1, 1)), byte_alignment=16)
     xf = xr.load().to(Float32)
-    sums = cute.make_rmem_tensor(cute.make_layout(1), Float32)
-    sums[0] = (xf * xf).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
-    block_sums(sums, red, fin, Int32(0), 1, THREADS // 32, 1)
-    rrms = cute.math.rsqrt(sums[0] * (1.0 / LATENT) + eps)
+    rrms = row_rrms(xf, LATENT, eps, THREADS // 32)
 
     yr = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
     yr.store((xf * rrms * wr.load().to(Float32)).to(BFloat16))

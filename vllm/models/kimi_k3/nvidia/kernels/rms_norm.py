@@ -2,9 +2,9 @@
 
 Math: `reference/ops.py::rms_norm` (FP32 throughout, one rounding at the store; K3_MATH.md §3.3
 and §8 item 9). Used for MLA's q_a / kv_a latent norms (D = 1536 / 512), the latent MoE
-`routed_expert_norm` (3584) and the final norm (7168).
+`routed_expert_norm` (3584) and the final norm (7168); the tiny eval model's 32 and 64 wide norms.
 
-Envelope: x `[M, D]` BF16 with 1 <= M <= 64 and D in NORM_WIDTHS; γ `[D]` BF16 contiguous; out
+Envelope: x `[M, D]` BF16 with 1 <= M <= 64 and D % 8 = 0, 8 <= D <= MAX_WIDTH; γ `[D]` BF16 contiguous; out
 `[M, D]` BF16. The rows of x and out may be strided (a column slice of a wider GEMM output, as
 q_c and kv_c are of MLA's fused_a output): last dim contiguous, row stride a multiple of 8
 elements, 16-byte aligned. ε is a run-time argument. Compiles for sm_90a, sm_100a, sm_103a
@@ -13,7 +13,9 @@ reduction, the scale and the weight into one read and one write of the row.
 
 Design: one CTA per row. Each thread owns `vecs` 16-byte vectors of the row (strided by the CTA
 width, so a warp's accesses are contiguous), keeps them in registers between the reduction and
-the store, and the row is read exactly once. `block_sums` is the reduction shared with the
+the store, and the row is read exactly once. The CTA is whole warps; where they hold more
+vectors than the row has (D not a multiple of 256, e.g. D = 32: one warp, 4 vectors), the
+spare threads load nothing, add zeros and store nothing. `block_sums` is the reduction shared with the
 other norm kernels (AttnRes): a butterfly that halves the list of sums at every step (one
 shuffle per pair of values instead of five per value), warps through shared memory, CTAs of a
 cluster through distributed shared memory; every sum has a fixed order, so all CTAs of a row get
@@ -36,7 +38,8 @@ from cutlass import BFloat16, Constexpr, Float32, Int32, const_expr
 from cutlass.cute.runtime import make_ptr
 
 MAX_ROWS = 64
-NORM_WIDTHS = (7168, 3584, 1536, 512)
+NORM_WIDTHS = (7168, 3584, 1536, 512)  # K3's norms (tests and benchmarks sweep these)
+MAX_WIDTH = 8 * 1024  # 4 vectors per thread at 256 threads: the row stays in registers
 VEC = 8  # bf16 elements per 16-byte access
 
 
@@ -51,6 +54,25 @@ def row_vectors(ptr: cute.Pointer, rows: Int32, cols: int, row_stride: int) -> c
     """A `[rows, cols]` row-major view cut into 16-byte vectors: ((1, 8), (rows, cols / 8))."""
     return cute.zipped_divide(cute.make_tensor(ptr, cute.make_layout((rows, cols), stride=(row_stride, 1))),
                               (1, VEC))
+
+
+def row_split(d: int) -> tuple[int, int]:
+    """(16-byte vectors per thread, threads) for one CTA over a row of d bf16: the fewest vectors per
+    thread that keep it at <= 256 threads, in whole warps. K3's widths divide exactly; otherwise
+    threads · vecs · 8 > d and the spare vectors are predicated off."""
+    nv = d // VEC
+    vecs = -(-nv // 256)
+    return vecs, 32 * -(-nv // (32 * vecs))
+
+
+@cute.jit
+def copy_if(src: cute.Tensor, dst: cute.Tensor, ok: cutlass.Boolean, exact: Constexpr):
+    """One 16-byte vector copy; with spare lanes (a row split that is not exact) only where `ok`."""
+    if const_expr(exact):
+        cute.autovec_copy(src, dst)
+    else:
+        if ok:
+            cute.autovec_copy(src, dst)
 
 
 def pow2_at_least(n: int) -> int:
@@ -127,6 +149,19 @@ def block_sums(vals: cute.Tensor, red: cute.Tensor, fin: cute.Tensor, rank: Int3
         vals[i] = total
 
 
+@cute.jit
+def row_rrms(xf: cute.TensorSSA, d: Constexpr, eps: Float32, warps: Constexpr) -> Float32:
+    """1 / RMS_eps of one row whose fp32 values are spread over the CTA's threads (xf: this
+    thread's; spare lanes hold zeros). Allocates its reduction scratch in shared memory."""
+    smem = cutlass.memory.SmemAllocator()
+    red = smem.allocate_tensor(Float32, cute.make_layout((1, warps)), byte_alignment=16)
+    fin = smem.allocate_tensor(Float32, cute.make_layout((1, 1)), byte_alignment=16)
+    sums = cute.make_rmem_tensor(cute.make_layout(1), Float32)
+    sums[0] = (xf * xf).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
+    block_sums(sums, red, fin, Int32(0), 1, warps, 1)
+    return cute.math.rsqrt(sums[0] * (1.0 / d) + eps)
+
+
 # ---------------------------------------------------------------- the kernel
 
 
@@ -138,16 +173,15 @@ class RmsNormPlan:
     x_stride: int
     y_stride: int
     vecs: int  # 16-byte vectors per thread
-    threads: int
+    threads: int  # whole warps; threads · vecs >= D / 8, the spare vectors predicated off
 
     @staticmethod
     def for_width(d: int, x_stride: int, y_stride: int) -> RmsNormPlan:
-        # the fewest vectors per thread that keep the CTA at <= 256 threads in whole warps
-        nv = d // VEC
-        vecs = 1
-        while nv // vecs > 256 or nv % vecs or (nv // vecs) % 32:
-            vecs += 1
-        return RmsNormPlan(d, x_stride, y_stride, vecs, nv // vecs)
+        return RmsNormPlan(d, x_stride, y_stride, *row_split(d))
+
+    @property
+    def exact(self) -> bool:
+        return self.vecs * self.threads * VEC == self.d
 
 
 @cute.kernel
@@ -159,26 +193,24 @@ def _rms_norm_kernel(x_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Point
     x = row_vectors(x_ptr, m, plan.d, plan.x_stride)
     w = row_vectors(w_ptr, 1, plan.d, plan.d)
     y = row_vectors(y_ptr, m, plan.d, plan.y_stride)
+    nv = plan.d // VEC
     xr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
     wr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
+    if const_expr(not plan.exact):
+        xr.fill(0.0)  # spare vectors add nothing to the sum
+        wr.fill(0.0)
     for v in cutlass.range_constexpr(vecs):
-        cute.autovec_copy(x[(0, None), (row, tid + v * threads)], xr[None, v])
+        copy_if(x[(0, None), (row, tid + v * threads)], xr[None, v], tid + v * threads < nv, plan.exact)
     for v in cutlass.range_constexpr(vecs):
-        cute.autovec_copy(w[(0, None), (0, tid + v * threads)], wr[None, v])
+        copy_if(w[(0, None), (0, tid + v * threads)], wr[None, v], tid + v * threads < nv, plan.exact)
 
-    smem = cutlass.memory.SmemAllocator()
-    red = smem.allocate_tensor(Float32, cute.make_layout((1, threads // 32)), byte_alignment=16)
-    fin = smem.allocate_tensor(Float32, cute.make_layout((1, 1)), byte_alignment=16)
     xf = xr.load().to(Float32)
-    sums = cute.make_rmem_tensor(cute.make_layout(1), Float32)
-    sums[0] = (xf * xf).reduce(cute.ReductionOp.ADD, init_val=0.0, reduction_profile=0)
-    block_sums(sums, red, fin, Int32(0), 1, threads // 32, 1)
-    rrms = cute.math.rsqrt(sums[0] * (1.0 / plan.d) + eps)
+    rrms = row_rrms(xf, plan.d, eps, threads // 32)
 
     yr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
     yr.store((xf * rrms * wr.load().to(Float32)).to(BFloat16))
     for v in cutlass.range_constexpr(vecs):
-        cute.autovec_copy(yr[None, v], y[(0, None), (row, tid + v * threads)])
+        copy_if(yr[None, v], y[(0, None), (row, tid + v * threads)], tid + v * threads < nv, plan.exact)
 
 
 @cute.jit
@@ -244,7 +276,8 @@ def check_envelope(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | No
     need(isinstance(x, torch.Tensor) and x.dim() == 2, "rms_norm",
          f"x must be a [M, D] tensor, got {tuple(x.shape) if isinstance(x, torch.Tensor) else type(x)}")
     m, d = x.shape
-    need(d in NORM_WIDTHS, "rms_norm", f"D={d} is not a K3 norm width {NORM_WIDTHS}")
+    need(d % VEC == 0 and VEC <= d <= MAX_WIDTH, "rms_norm",
+         f"D={d} must be a multiple of {VEC} in {VEC}..{MAX_WIDTH} (16-byte vectors, the row in registers)")
     check_row_count("rms_norm", m)
     check_rows("rms_norm", "x", x, m, d)
     check_vector("rms_norm", "weight", weight, d)

@@ -19,6 +19,7 @@ tensors, which is how the CPU tests prove the metadata itself.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -31,6 +32,7 @@ from ..reference.collective import SingleRank
 from ..reference.model import embed as ref_embed
 from ..reference.ops import BF16, F32, acc_dtype, bf16_add, linear, rms_norm, situ_and_mul
 from ..reference.state import Segment
+from .moe_padding import pad_moe
 
 if TYPE_CHECKING:
     from ..reference.params import KDAWeights, MoEWeights
@@ -59,6 +61,10 @@ class DecodeOps:
 
     def _rec(self, op: str, impl: str | None = None) -> None:
         self.trace.append((op, impl or self.impl))
+
+    def prepare_moe(self, w: MoEWeights) -> MoEWeights:
+        """A MoE layer's weights as this table's ops take them (once, at the executor's build)."""
+        return w
 
     # ---- glue (same on both tables)
     def copy(self, x: torch.Tensor) -> torch.Tensor:
@@ -158,13 +164,16 @@ class ReferenceOps(DecodeOps):
     def route(self, logits: torch.Tensor, bias: torch.Tensor, cfg: K3TextConfig
               ) -> tuple[torch.Tensor, torch.Tensor]:
         self._rec("moe_route")
-        weights, ids = ref_moe.route(logits, bias, cfg)
+        e = cfg.num_experts  # experts past it are moe_padding's, never chosen (key −∞)
+        weights, ids = ref_moe.route(logits[:, :e], bias[:e], cfg)
         self.routed.append(ids)
         return weights, ids.to(torch.int32)
 
     def routed_experts(self, x_lat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: MoEWeights,
                        cfg: K3TextConfig, shard: ShardShapes) -> torch.Tensor:
         self._rec("moe_experts")
+        if w.w2.shape[2] != shard.moe_inter:  # padded by moe_padding (zero rows and columns)
+            shard = dataclasses.replace(shard, moe_inter=w.w2.shape[2])
         return ref_moe._routed_latent(w, cfg, shard, x_lat, weights, ids.long())
 
 
@@ -181,6 +190,10 @@ class KernelOps(DecodeOps):
         self.k_cache_write = mla_cache_write
         self.k_mla, self.k_experts, self.k_router = mla_decode, moe_experts, moe_router
         self.k_norm, self.k_gemm, self.k_situ = rms_norm, skinny_gemm, situ_mul
+
+    def prepare_moe(self, w: MoEWeights) -> MoEWeights:
+        """Zero-padded to the MoE kernels' granularity where a model is smaller than K3 (moe_padding.py)."""
+        return pad_moe(w)
 
     def situ_and_mul(self, gate_up: torch.Tensor, beta: float | None, linear_beta: float | None) -> torch.Tensor:
         self._rec("situ_and_mul")

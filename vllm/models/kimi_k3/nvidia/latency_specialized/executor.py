@@ -2,7 +2,7 @@
 
 | stage | what happens |
 | --- | --- |
-| build | owns the `DecodeState` it serves (KDA pools, MLA cache; slot 0 / block 0 are the null slot and block); per bucket: static `StepMeta` buffers set to all-padding, one eager warm-up step (compiles every kernel of the step, allocates kernel scratch; touches only the null slot and block), then one capture; reports seconds and graph memory |
+| build | owns the `DecodeState` it serves (KDA pools, MLA cache; slot 0 / block 0 are the null slot and block); each MoE layer's weights as the op table takes them (`prepare_moe`: `KernelOps` zero-pads a model smaller than K3 to the MoE kernels' granularity, `moe_padding.py`); per bucket: static `StepMeta` buffers set to all-padding, one eager warm-up step (compiles every kernel of the step, allocates kernel scratch; touches only the null slot and block), then one capture; reports seconds and graph memory |
 | `plan(facts)` | the bucket for the step's rows and tokens per request, or None (the dispatcher then runs the standard path) |
 | `__call__(ids, segments, state)` | pads the step to its bucket with dummy requests on the null slot (`buckets.pad_to_bucket`), writes ids and slots into the bucket's `StepMeta` in place, replays the graph (eager where graphs are off), commits the segments to the state, returns the real rows' full-vocab fp32 logits |
 
@@ -167,6 +167,8 @@ class SpecializedDecode:
         # per-head absorption matrices, contiguous once (views of kv_b otherwise)
         self.absorb = {i: tuple(t.contiguous() for t in split_kv_b(lw.attn.kv_b, self.cfg, self.shard.mla_heads))
                        for i, lw in enumerate(self.w.layers) if not isinstance(lw.attn, KDAWeights)}
+        self.moe = {i: self.ops.prepare_moe(lw.mlp) for i, lw in enumerate(self.w.layers)
+                    if isinstance(lw.mlp, MoEWeights)}
         self.meta: dict[tuple[int, int], StepMeta] = {}
         self.out: dict[tuple[int, int], torch.Tensor] = {}
         self.graph: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
@@ -286,7 +288,7 @@ class SpecializedDecode:
             else:
                 v = ops.attn_res(blocks, n_blocks, partial, ar.mlp_norm, ar.mlp_proj, eps, addend=a,
                                  live_out=partial, out_w=ar.post_norm)
-            m = self._moe(lw.mlp, v) if isinstance(lw.mlp, MoEWeights) else self._dense(lw.mlp, v)
+            m = self._moe(self.moe[i], v) if i in self.moe else self._dense(lw.mlp, v)
         h = ops.attn_res(blocks, n_blocks, partial, w.out_res_norm, w.out_res_proj, eps, addend=m,
                          final_norm=w.final_norm)
         return ops.logits_scale(coll.all_gather(ops.linear(h, w.lm_head), dim=-1), cfg.logit_scale)
@@ -316,6 +318,7 @@ class SpecializedDecode:
         cfg, ops = self.cfg, self.ops
         weights, ids = ops.route(ops.linear(v, w.router, out_dtype=F32), w.bias, cfg)
         y = self.coll.all_reduce(ops.routed_experts(ops.linear(v, w.latent_down), ids, weights, w, cfg, self.shard))
+        y = y[:, :cfg.routed_expert_hidden_size]  # a padded latent's columns are zero (moe_padding.py)
         if cfg.latent_moe_use_norm:
             y = ops.rms_norm(y, w.latent_norm, cfg.rms_norm_eps)
         routed = ops.linear(y, w.latent_up)

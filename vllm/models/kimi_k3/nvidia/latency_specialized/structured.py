@@ -47,8 +47,12 @@ class GrammarConstraint:
         return cls(cls._compiler(vocab_size, tok or ByteTokenizer()).compile_regex(pattern), vocab_size)
 
     @classmethod
-    def json_schema(cls, schema: str, vocab_size: int, tok: ByteTokenizer | None = None) -> "GrammarConstraint":
-        return cls(cls._compiler(vocab_size, tok or ByteTokenizer()).compile_json_schema(schema), vocab_size)
+    def json_schema(cls, schema: str, vocab_size: int, tok: ByteTokenizer | None = None, *,
+                    any_whitespace: bool = True) -> "GrammarConstraint":
+        """`any_whitespace=False`: compact JSON only (vLLM's `disable_any_whitespace`), so a model that
+        favours whitespace cannot pad the object until max_tokens."""
+        compiler = cls._compiler(vocab_size, tok or ByteTokenizer())
+        return cls(compiler.compile_json_schema(schema, any_whitespace=any_whitespace), vocab_size)
 
     def __call__(self, output_ids: Sequence[int]) -> torch.Tensor:
         xgr = _xgrammar()

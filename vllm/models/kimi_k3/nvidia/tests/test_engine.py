@@ -121,3 +121,14 @@ def test_auto_is_identical_to_no_backend(model):
     assert got[0].output_ids == auto[0].output_ids
     assert not d.enabled and d.counters.as_dict()["steps"]["specialized"] == 0
     assert bare.stats.paths == {"standard": 8}
+
+
+def test_compact_json_refuses_the_whitespace_the_default_allows():
+    pytest.importorskip("xgrammar", reason="structured output needs xgrammar ([test] extra)")
+    from vllm.models.kimi_k3.nvidia.latency_specialized.structured import GrammarConstraint
+
+    schema = json.dumps({"type": "object", "properties": {"id": {"type": "integer"}}, "required": ["id"]})
+    loose, compact = (GrammarConstraint.json_schema(schema, 320, any_whitespace=w) for w in (True, False))
+    after_brace, space, quote = [ord("{")], ord(" "), ord('"')  # byte tokens
+    assert loose(after_brace)[space] and not compact(after_brace)[space]
+    assert compact(after_brace)[quote]

@@ -10,6 +10,7 @@ from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import GLUE, Refe
 from vllm.models.kimi_k3.nvidia.latency_specialized.deployment import StepFacts
 from vllm.models.kimi_k3.nvidia.latency_specialized.engine import Engine, Request
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import ExecutorError, SpecializedDecode, StepMeta
+from vllm.models.kimi_k3.nvidia.latency_specialized.moe_padding import pad_moe
 from vllm.models.kimi_k3.nvidia.latency_specialized.sampler import SamplingParams
 from vllm.models.kimi_k3.nvidia.reference.collective import ThreadGroup
 
@@ -23,9 +24,16 @@ def model():
     return mini_model(seed=0)
 
 
-def _executor(model, **kw):
-    return SpecializedDecode(model, max_requests=4, max_len=96, buckets=BUCKETS, ops=ReferenceOps(), graphs=False,
-                             log=lambda _: None, **kw)
+def _executor(model, ops=None, **kw):
+    return SpecializedDecode(model, max_requests=4, max_len=96, buckets=BUCKETS, ops=ops or ReferenceOps(),
+                             graphs=False, log=lambda _: None, **kw)
+
+
+class PaddedReferenceOps(ReferenceOps):
+    """The reference ops on MoE weights padded as KernelOps pads them for the kernels."""
+
+    def prepare_moe(self, w):
+        return pad_moe(w)
 
 
 def _same_state(a, b):
@@ -37,10 +45,16 @@ def _same_state(a, b):
         assert torch.equal(a.mla[i].cache[1:], b.mla[i].cache[1:]), f"layer {i} latent cache"
 
 
-@pytest.mark.parametrize("n_req, q", [(1, 1), (3, 1), (4, 2), (2, 8)])
-def test_step_equals_reference_bit_for_bit(model, n_req, q):
-    """Decode and verify steps (padded to their bucket where needed), then a partial accept."""
-    ex = _executor(model)
+@pytest.mark.parametrize("n_req, q, padded", [(1, 1, False), (3, 1, False), (4, 2, False), (2, 8, False),
+                                              (3, 1, True), (2, 8, True)])
+def test_step_equals_reference_bit_for_bit(model, n_req, q, padded):
+    """Decode and verify steps (padded to their bucket where needed), then a partial accept; with
+    `padded`, on MoE weights zero-padded to the kernels' granularity (moe_padding.py), which
+    must change nothing."""
+    ex = _executor(model, PaddedReferenceOps() if padded else None)
+    if padded:  # mini: 8 experts, latent 64, I = 32 -> 32, 128, 64
+        assert {tuple(w.w13.shape) for w in ex.moe.values()} == {(8, 128, 128)}
+        assert {tuple(w.router.shape) for w in ex.moe.values()} == {(32, model.cfg.hidden_size)}
     ref = model.new_state(max_requests=4, max_len=96, max_q=ex.state.max_q)
     g = torch.Generator().manual_seed(n_req * 10 + q)
     prompts = [torch.randint(0, 260, (7 + 5 * j,), generator=g).tolist() for j in range(n_req)]
@@ -137,17 +151,19 @@ def test_engine_on_the_executor_state_matches_the_standard_engine(model):
 
 
 def test_compared_ops_trace_a_difference_to_its_op(model):
-    """`ComparedOps` (the GPU triage tool) reports zero for equal tables and names a broken op."""
+    """`ComparedOps` (the GPU triage tool) reports zero for equal tables (also where the test table
+    pads the MoE weights: both tables then take the padded ones) and names a broken op."""
     from vllm.models.kimi_k3.nvidia.latency_specialized.op_parity import ComparedOps
 
     class BrokenNorm(ReferenceOps):
         def rms_norm(self, x, w, eps):
             return super().rms_norm(x, w, eps) * 1.01
 
-    for test, broken in ((ReferenceOps(), set()), (BrokenNorm(), {"rms_norm"})):
+    for test, broken in ((ReferenceOps(), set()), (PaddedReferenceOps(), set()), (BrokenNorm(), {"rms_norm"})):
         ops = ComparedOps(test, ReferenceOps())
         ex = SpecializedDecode(model, max_requests=2, max_len=32, buckets=[(2, 1)], ops=ops, graphs=False,
                                log=lambda _: None)
+        assert {w.router.shape[0] for w in ex.moe.values()} == {32 if isinstance(test, PaddedReferenceOps) else 8}
         slots = prefill(model, ex.state, [[1, 2, 3], [4, 5]])
         ops.report.clear()
         ex(torch.tensor([6, 7]), [ex.state.segment(r, j, 1, prefill=False) for j, r in enumerate(slots)], ex.state)

@@ -6,7 +6,9 @@ differences into O(0.3) logit changes, so whole-step logits are compared where r
 - the MoE block (experts cut to 64 so it builds in seconds; the benchmark runs all 896): every op
   of a step, kernel against reference on identical inputs (`op_parity.ComparedOps`);
 - the dense block (K3's dense SiTU MLP in every layer): whole-step logits, multi-step drift,
-  graph replay against an eager run, and steps alternating between the paths.
+  graph replay against an eager run, and steps alternating between the paths;
+- the shipped tiny eval model (all 8 layers, its 8 experts padded for the MoE kernels by
+  `moe_padding`): the MoE block's two tests as well.
 """
 
 import os
@@ -20,7 +22,10 @@ from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (PARITY_MEDIAN_
 from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import GLUE, KernelOps, ReferenceOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.evidence import write_record
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
+from vllm.models.kimi_k3.nvidia.evals.tiny import config_named, shipped_weights
 from vllm.models.kimi_k3.nvidia.latency_specialized.op_parity import ComparedOps
+from vllm.models.kimi_k3.nvidia.latency_specialized.weights import SafetensorsSource, load_rank
+from vllm.models.kimi_k3.nvidia.reference.model import ReferenceModel
 
 BUCKETS = [(1, 1), (4, 1), (8, 8)]
 MAX_LEN = 1000 + 48 * 8 + 8  # the longest parity run: 48 verify steps of 8 tokens after a 1000-token context
@@ -49,15 +54,26 @@ def dense():
     return model, SpecializedDecode(model, max_requests=4, max_len=MAX_LEN, buckets=BUCKETS, ops=KernelOps())
 
 
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = config_named("tiny")
+    return ReferenceModel(cfg, load_rank(SafetensorsSource(shipped_weights("tiny")), cfg, device="cuda"))
+
+
 def _fresh(ex, requests, context, seed):
     for r in range(ex.state.max_requests):
         ex.state.free(r)
     return fill_state(ex.state, requests, context, torch.Generator(device="cuda").manual_seed(seed))
 
 
+BLOCKS = {"moe_block": "moe block", "tiny": "tiny"}  # fixture, record name
+
+
 @pytest.mark.gpu
-def test_graphs_hold_only_kernels_and_declared_glue(moe_block):
-    ex = SpecializedDecode(moe_block, max_requests=4, max_len=256, buckets=BUCKETS, ops=KernelOps())
+@pytest.mark.parametrize("block", BLOCKS)
+def test_graphs_hold_only_kernels_and_declared_glue(block, request):
+    ex = SpecializedDecode(request.getfixturevalue(block), max_requests=4, max_len=256, buckets=BUCKETS,
+                           ops=KernelOps())
     for key in BUCKETS:
         outside = sorted({op for op, impl in ex.kernels[key] if impl != "cute" and op not in GLUE})
         assert not outside, f"bucket {key}: ops outside the kernel table: {outside}"
@@ -67,21 +83,23 @@ def test_graphs_hold_only_kernels_and_declared_glue(moe_block):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("block", BLOCKS)
 @pytest.mark.parametrize("rows, q", [(3, 1), (8, 8)])
-def test_every_kernel_matches_its_reference_op_in_a_step(moe_block, rows, q):
+def test_every_kernel_matches_its_reference_op_in_a_step(block, rows, q, request):
+    model = request.getfixturevalue(block)
     ops = ComparedOps(KernelOps(), ReferenceOps())
-    ex = SpecializedDecode(moe_block, max_requests=rows // q, max_len=600, buckets=[(4 if rows == 3 else rows, q)],
+    ex = SpecializedDecode(model, max_requests=rows // q, max_len=600, buckets=[(4 if rows == 3 else rows, q)],
                            ops=ops, graphs=False)
     slots = _fresh(ex, rows // q, 500, rows)
     gen = torch.Generator(device="cuda").manual_seed(1)
     for _ in range(3):
         ops.report.clear()
-        ids = torch.randint(0, moe_block.w.lm_head.shape[0], (rows,), generator=gen, device="cuda")
+        ids = torch.randint(0, model.w.lm_head.shape[0], (rows,), generator=gen, device="cuda")
         ex(ids, [ex.state.segment(r, j * q, q, prefill=False) for j, r in enumerate(slots)], ex.state)
         bad = [(op, i, err) for op, i, err in ops.report
                if (err < 0.99 if op == "route.ids_equal" else not err <= PARITY_OP_REL)]
         worst = max(err for op, _, err in ops.report if op != "route.ids_equal")
-        RESULTS.append({"name": f"moe block rows{rows} q{q}: per-op kernel vs reference", "worst_op_rel_err": worst,
+        RESULTS.append({"name": f"{BLOCKS[block]} rows{rows} q{q}: per-op kernel vs reference", "worst_op_rel_err": worst,
                         "status": "fail" if bad else "pass"})
         assert not bad, bad
 
@@ -134,3 +152,4 @@ def test_steps_may_alternate_between_paths(dense):
     RESULTS.append({"name": "dense block, paths alternating every step, 2 requests", "rel_err": max(errs),
                     "rel_err_median": median, "status": "pass" if median < PARITY_MEDIAN_REL else "fail"})
     assert median < PARITY_MEDIAN_REL, errs
+

@@ -8,7 +8,7 @@ CPU: envelope errors (raised before any CUDA use); the kernel's index maps cover
 the conv channels and the outputs exactly once for every split; the split heuristic; compile
 checks for sm_90a, sm_100a and sm_103a whose PTX must show the design (16-byte state loads and
 stores, 8-lane butterflies, the cluster exchange, no local memory) and, where ptxas is installed,
-no spills. GPU (marker `gpu`): heads 6 / 12 / 96, q = 1..8 with random accepted counts, shuffled
+no spills. GPU (marker `gpu`): heads 1 / 6 / 12 / 96, q = 1..8 with random accepted counts, shuffled
 slots, null and out-of-range slots, skipped token slots, four input distributions, outputs
 NaN-poisoned and the null slots NaN-filled; the output, every written state slot (fp32, under
 a bound), every untouched slot (bit-exact) and the conv pool (bit-exact) are compared; every
@@ -190,7 +190,7 @@ def _cpu_inputs(heads=6, requests=2, q=2, max_q=4):
 @pytest.mark.parametrize("case, match", [
     ("q", "q=9 tokens per request"),
     ("rows", "65 rows is outside 1..64"),
-    ("heads", "7 KDA heads per rank"),
+    ("heads", "129 KDA heads per rank (A_log.shape[0]) is outside 1..128"),
     ("z_width", "needs >= 3206"),
     ("z_dtype", "z must be bfloat16"),
     ("z_stride", "row stride that is a multiple of 8"),
@@ -212,7 +212,7 @@ def test_envelope_errors(case, match):
     elif case == "rows":
         kw = _cpu_inputs(requests=13, q=5, max_q=5)
     elif case == "heads":
-        kw["A_log"] = torch.randn(7)
+        kw["A_log"] = torch.randn(129)
     elif case == "z_width":
         kw["z"] = kw["z"][:, :3205]
     elif case == "z_dtype":
@@ -272,7 +272,7 @@ def test_index_maps_cover_each_element_once(split):
 
 
 def test_split_heuristic():
-    for heads in kda_decode.ENVELOPE_HEADS:
+    for heads in kda_decode.TESTED_HEADS:
         for q in (1, 8):
             for requests in range(1, 64 // q + 1):
                 s = kda_decode.choose_split(requests, heads, 132)
@@ -285,9 +285,10 @@ def test_split_heuristic():
 
 # ---------------------------------------------------------------- compile checks (CPU)
 
-COMPILE_CASES = {  # plain decode at TP16, and a q = 8 verify at TP1 (512 threads)
+COMPILE_CASES = {  # plain decode at TP16, a q = 8 verify at TP1 (512 threads), the tiny model's one head
     "h6 q1 split8": KdaDecodePlan(6, 1, 3, 3216, 768, 768, 8),
     "h96 q8 split2": KdaDecodePlan(96, 8, 10, 49376, 12288, 12288, 2),
+    "h1 q1 split8 (tiny)": KdaDecodePlan(1, 1, 3, 656, 128, 128, 8),
 }
 
 
@@ -451,7 +452,7 @@ SHAPES = [(1, 1, 1), (1, 7, 1), (1, 64, 1), (1, 5, 8), (2, 3, 2), (3, 4, 8), (5,
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("heads", kda_decode.ENVELOPE_HEADS)
+@pytest.mark.parametrize("heads", kda_decode.TESTED_HEADS)
 def test_matches_reference(heads, evidence):
     gen = torch.Generator(device="cuda").manual_seed(6000 + heads)
     rng = random.Random(heads)

@@ -30,6 +30,7 @@ from vllm.models.kimi_k3.nvidia.kernels import (  # noqa: E402
     rms_norm,
 )
 from vllm.models.kimi_k3.nvidia.kernels.rms_norm import NormEnvelopeError  # noqa: E402
+from vllm.models.kimi_k3.nvidia.evals.tiny import config_named  # noqa: E402
 from vllm.models.kimi_k3.nvidia.latency_specialized.config import PRESETS  # noqa: E402
 from vllm.models.kimi_k3.nvidia.latency_specialized.evidence import write_record  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.attn_res import attn_res_mix  # noqa: E402
@@ -58,6 +59,10 @@ def _norm_weight(n: int, gen: torch.Generator, device: str = "cuda") -> torch.Te
     return (1.0 + 0.2 * torch.randn(n, generator=gen, device=device)).to(torch.bfloat16)
 
 
+TINY_NORM_WIDTHS = (32, 64)  # the tiny eval model's q_a and latent MoE norms (evals/tiny)
+SMALL_HIDDEN = (128, 200, 2048)  # AttnRes hidden sizes besides K3's: tiny's, spare lanes, the largest
+
+
 def _nan(shape: tuple[int, ...], device: str = "cuda") -> torch.Tensor:
     return torch.full(shape, float("nan"), dtype=torch.bfloat16, device=device)
 
@@ -71,7 +76,8 @@ def _bf(*shape: int) -> torch.Tensor:
 @pytest.mark.parametrize("case, match", [
     ("dtype", "bfloat16"),
     ("rows", "M=65"),
-    ("width", "D=1000"),
+    ("width", "D=1004 must be a multiple of 8"),
+    ("wide", "D=8200 must be a multiple of 8 in 8..8192"),
     ("weight", "weight must be a [512]"),
     ("stride", "row stride"),
     ("cpu", "CUDA tensor"),
@@ -83,7 +89,9 @@ def test_rms_norm_envelope_errors(case, match):
     elif case == "rows":
         x = _bf(65, 512)
     elif case == "width":
-        x = _bf(4, 1000)
+        x, w = _bf(4, 1004), _bf(1004)
+    elif case == "wide":
+        x, w = _bf(4, 8200), _bf(8200)
     elif case == "weight":
         w = _bf(256)
     elif case == "stride":
@@ -133,7 +141,7 @@ def test_attn_res_envelope_errors(case, match):
 @pytest.mark.parametrize("case, match", [
     ("ids", "int32 or int64"),
     ("rows", "M=65"),
-    ("hidden", "[V/T, 7168] shard"),
+    ("hidden", "H=4100 must be a multiple of 8"),
     ("out", "out must be [3, 7168]"),
 ])
 def test_embedding_envelope_errors(case, match):
@@ -143,7 +151,7 @@ def test_embedding_envelope_errors(case, match):
     elif case == "rows":
         ids = torch.arange(65)
     elif case == "hidden":
-        table = _bf(16, 4096)
+        table = _bf(16, 4100)
     elif case == "out":
         out = _bf(2, H)
     with pytest.raises(NormEnvelopeError, match=re.escape(match)):
@@ -151,14 +159,21 @@ def test_embedding_envelope_errors(case, match):
 
 
 def test_tilings_cover_the_envelope():
-    for d in rms_norm.NORM_WIDTHS:
+    for d in range(rms_norm.VEC, rms_norm.MAX_WIDTH + 1, rms_norm.VEC):
         p = rms_norm.RmsNormPlan.for_width(d, d, d)
-        assert p.vecs * p.threads * rms_norm.VEC == d and p.threads % 32 == 0 and p.threads <= 256
+        assert p.vecs * p.threads * rms_norm.VEC >= d and p.threads % 32 == 0 and p.threads <= 256
+        # whole vectors of spare threads only: fewer vectors per thread would not fit 256 threads
+        assert p.vecs == 1 or (p.vecs - 1) * 256 * rms_norm.VEC < d
+        assert p.exact == (p.vecs * p.threads * rms_norm.VEC == d)
+    assert all(rms_norm.RmsNormPlan.for_width(d, d, d).exact for d in rms_norm.NORM_WIDTHS)
     for t in attn_res.TILINGS.values():
         assert t.covers(H)
     for m in range(1, rms_norm.MAX_ROWS + 1):
         t = attn_res.choose_tiling(m, 132)
-        assert t.covers(H) and t.split >= 2 and (m * t.split <= 132 or t.split == 2)
+        assert t.covers(H) and t.exact(H) and t.split >= 2 and (m * t.split <= 132 or t.split == 2)
+    for h in range(rms_norm.VEC, attn_res.MAX_SMALL_HIDDEN + 1, rms_norm.VEC):
+        t = attn_res.choose_tiling(1, 132, h)
+        assert t.split == 1 and t.vecs == 1 and t.covers(h) and t.exact(h) == (h % 256 == 0)
 
 
 # ---------------------------------------------------------------- compile checks (CPU)
@@ -171,12 +186,19 @@ def _attn_res_plan(n_blocks: int, split: int, *, out_norm: bool = True, mix_out:
 COMPILE_CASES = {
     "rms_norm d=1536 strided": lambda arch, ptx_dir: rms_norm.compile_rms_norm(
         rms_norm.RmsNormPlan.for_width(1536, 2112, 1536), arch, ptx_dir),
+    "rms_norm d=32 strided, spare lanes": lambda arch, ptx_dir: rms_norm.compile_rms_norm(
+        rms_norm.RmsNormPlan.for_width(32, 96, 32), arch, ptx_dir),
     "attn_res 9 sources split 7": lambda arch, ptx_dir: attn_res.compile_attn_res(
         _attn_res_plan(8, 7, out_norm=False), arch, ptx_dir),
     "attn_res final+norm split 2": lambda arch, ptx_dir: attn_res.compile_attn_res(
         _attn_res_plan(8, 2, mix_out=True), arch, ptx_dir),
+    "attn_res tiny H=128 final+norm, spare lanes": lambda arch, ptx_dir: attn_res.compile_attn_res(
+        attn_res.AttnResPlan(128, 8, 128, 1024, True, 128, True, 128, True, 128, True, True, 128, 128,
+                             attn_res.choose_tiling(1, 132, 128)), arch, ptx_dir),
     "embedding int64": lambda arch, ptx_dir: embedding.compile_embedding(
-        embedding.EmbeddingPlan(10240, 8 * H, True), arch, ptx_dir),
+        embedding.EmbeddingPlan(10240, 8 * H, True, H), arch, ptx_dir),
+    "embedding tiny H=128, spare lanes": lambda arch, ptx_dir: embedding.compile_embedding(
+        embedding.EmbeddingPlan(160, 8 * 128, False, 128), arch, ptx_dir),
 }
 
 
@@ -188,7 +210,7 @@ def test_compiles_for_arch(arch, name, tmp_path):
     assert "ld.global.v4.b32" in ptx and "st.global.v4.b32" in ptx  # 16-byte accesses only
     assert not re.search(r"\b(ld|st)\.local", ptx), "registers spilled to local memory"
     assert not re.search(r"ld\.global\.(b|u|s)(16|8)\b", ptx), "narrow loads of row data"
-    if name.startswith("attn_res"):
+    if name.startswith("attn_res") and "split" in name:  # cluster tilings (K3's H)
         assert "barrier.cluster.arrive.relaxed" in ptx  # armed before the loads
         assert "st.shared::cluster.f32" in ptx and "mapa.shared::cluster" in ptx  # partial sums pushed to peers
 
@@ -223,7 +245,7 @@ def _record(rows: list[dict], failures: list[str], name: str, rel: float, unwrit
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("d", rms_norm.NORM_WIDTHS)
+@pytest.mark.parametrize("d", (*rms_norm.NORM_WIDTHS, *TINY_NORM_WIDTHS, 200))
 def test_rms_norm_matches_reference(d, evidence):
     gen = torch.Generator(device="cuda").manual_seed(d)
     failures: list[str] = []
@@ -246,16 +268,18 @@ class _Layer:
     """One AttnRes call's inputs on an upstream-style [M, 8, H] block buffer, with source scales
     that differ (the embedding is small, block sums grow with depth)."""
 
-    def __init__(self, m: int, dist: str, gen: torch.Generator):
-        self.buf = torch.empty((m, 8, H), dtype=torch.bfloat16, device="cuda")
+    def __init__(self, m: int, dist: str, gen: torch.Generator, h: int = H):
+        self.h = h
+        self.buf = torch.empty((m, 8, h), dtype=torch.bfloat16, device="cuda")
         for j in range(8):
-            self.buf[:, j] = draw(dist, (m, H), gen, "cuda") * (0.25 * (j + 1))
+            self.buf[:, j] = draw(dist, (m, h), gen, "cuda") * (0.25 * (j + 1))
         self.blocks = self.buf.transpose(0, 1)  # [8, M, H] view, strides (H, 8H, 1)
-        self.prefix = draw(dist, (m, H), gen, "cuda") * 2
-        self.addend = draw(dist, (m, H), gen, "cuda")
-        self.norm_w = _norm_weight(H, gen)
-        self.proj_w = (0.02 * torch.randn(H, generator=gen, device="cuda")).to(torch.bfloat16)
-        self.out_w = _norm_weight(H, gen)
+        self.prefix = draw(dist, (m, h), gen, "cuda") * 2
+        self.addend = draw(dist, (m, h), gen, "cuda")
+        self.norm_w = _norm_weight(h, gen)
+        # logits v·(γ⊙w)/RMS(v) of the same spread at every H
+        self.proj_w = (0.02 * (H / h) ** 0.5 * torch.randn(h, generator=gen, device="cuda")).to(torch.bfloat16)
+        self.out_w = _norm_weight(h, gen)
 
     def sources(self, n_blocks: int, live: torch.Tensor | None) -> list[torch.Tensor]:
         return [self.blocks[s] for s in range(n_blocks)] + ([live] if live is not None else [])
@@ -273,7 +297,7 @@ def _run_attn_res(layer: _Layer, form: str, nb: int, tiling=None):
     """Launch one form; return (out, live (or None), mix_out (or None), reference out, reference live,
     reference mix)."""
     m = layer.prefix.shape[0]
-    out = _nan((m, H))
+    out = _nan((m, layer.h))
     kw: dict = {"out": out, "tiling": tiling}
     live_ref = mix_ref = None
     prefix = layer.prefix.clone()
@@ -288,7 +312,7 @@ def _run_attn_res(layer: _Layer, form: str, nb: int, tiling=None):
     if form not in ("final",):
         kw["out_w"] = layer.out_w
     if form == "final_with_norm":
-        kw["mix_out"] = _nan((m, H))
+        kw["mix_out"] = _nan((m, layer.h))
     if form == "layer0":
         attn_res.launch(layer.blocks, 1, None, layer.norm_w, layer.proj_w, EPS, **kw)
         ref = attn_res_mix(layer.sources(1, None), layer.norm_w, layer.proj_w, EPS, layer.out_w, EPS)
@@ -337,6 +361,33 @@ def test_attn_res_matches_reference(form, nb, evidence):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("h", SMALL_HIDDEN)
+def test_attn_res_small_hidden_matches_reference(h, evidence):
+    """Every call form at hidden sizes other than K3's: one CTA per row, spare lanes off (H = 200:
+    25 of 32 lanes; 2048: whole warps)."""
+    gen = torch.Generator(device="cuda").manual_seed(5000 + h)
+    failures: list[str] = []
+    for form, nb in ATTN_RES_FORMS:
+        for dist in DISTRIBUTIONS:
+            for m in (1, 64):
+                layer = _Layer(m, dist, gen, h)
+                out, live, mix, ref, live_ref, mix_ref = _run_attn_res(layer, form, nb)
+                unwritten = int(torch.isnan(out).sum())
+                exact = None
+                if live is not None:
+                    unwritten += int(torch.isnan(live).sum())
+                    exact = torch.equal(live, live_ref)
+                rel = rel_err(out, ref)
+                if mix is not None:
+                    unwritten += int(torch.isnan(mix).sum())
+                    rel = max(rel, rel_err(mix, mix_ref))
+                _record(evidence["attn_res"], failures, f"attn_res H={h} {form} n_blocks={nb} M={m} {dist}", rel,
+                        unwritten, exact=exact, shape={"m": m, "n_blocks": nb, "h": h}, form=form,
+                        distribution=dist, tiling=1)
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("split", sorted(attn_res.TILINGS))
 def test_attn_res_every_tiling_and_repeatable(split, evidence):
     """Each cluster split gives the reference result, and repeat launches are bit-identical (the
@@ -356,11 +407,12 @@ def test_attn_res_every_tiling_and_repeatable(split, evidence):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("ids_dtype", [torch.int64, torch.int32])
-def test_embedding_matches_reference(ids_dtype, evidence):
-    cfg = PRESETS["k3"]
-    shard = cfg.shard(16, 3)
+@pytest.mark.parametrize("model, tp, rank", [("k3", 16, 3), ("tiny", 1, 0)])
+def test_embedding_matches_reference(ids_dtype, model, tp, rank, evidence):
+    cfg = config_named(model)
+    shard, h = cfg.shard(tp, rank), cfg.hidden_size
     gen = torch.Generator(device="cuda").manual_seed(4000)
-    table = draw("normal", (shard.vocab, H), gen, "cuda")
+    table = draw("normal", (shard.vocab, h), gen, "cuda")
     failures: list[str] = []
     for m in ROWS:
         # ids of this rank, of other ranks, negative (padding) and past the vocabulary
@@ -370,13 +422,14 @@ def test_embedding_matches_reference(ids_dtype, evidence):
         pick = torch.randint(0, 3, (m,), generator=gen, device="cuda")
         ids = torch.where(pick == 0, mine, torch.where(pick == 1, other, bad[torch.arange(m, device="cuda") % 4]))
         ids = ids.to(ids_dtype)
-        buf = _nan((m, 8, H))  # write straight into slot 0 of an AttnRes block buffer
+        buf = _nan((m, 8, h))  # write straight into slot 0 of an AttnRes block buffer
         embedding.launch(ids, table, shard.vocab_start, cfg.vocab_size, buf[:, 0])
-        ref = embed(ids.long(), table, shard, cfg.vocab_size, SingleRank(16, 3))
+        ref = embed(ids.long(), table, shard, cfg.vocab_size, SingleRank(tp, rank))
         got = buf[:, 0]
-        _record(evidence["embedding"], failures, f"embedding M={m} ids={str(ids_dtype).removeprefix('torch.')}",
+        name = f"embedding M={m} ids={str(ids_dtype).removeprefix('torch.')}" + ("" if model == "k3" else f" {model}")
+        _record(evidence["embedding"], failures, name,
                 0.0 if torch.equal(got, ref) else rel_err(got, ref), int(torch.isnan(got).sum()),
-                exact=torch.equal(got, ref), shape={"m": m, "shard_rows": shard.vocab, "h": H},
+                exact=torch.equal(got, ref), shape={"m": m, "shard_rows": shard.vocab, "h": h},
                 untouched_slots_still_nan=bool(torch.isnan(buf[:, 1:]).all()))
         if not torch.isnan(buf[:, 1:]).all():
             failures.append(f"M={m}: wrote outside slot 0")

@@ -51,7 +51,7 @@ def test_shipped_scope_loads_with_the_declared_envelopes():
                                "kda_conv_state": "bfloat16"}
     assert dict(h.dtypes)["experts"] == "bfloat16"
     tests = {f.name: f.test for f in s.preserved_features}
-    assert tests["structured_output"].endswith("test_engine.py::test_structured_output_identical_across_paths")
+    assert tests["structured_output"].endswith("test_features_cuda.py::test_structured_output_on_the_kernels")
     assert set(tests) == {"full_context", "temperature_sampling", "structured_output"}
 
 
