@@ -4,8 +4,13 @@ as a rate over the tokens it was counted on."""
 from __future__ import annotations
 
 import pytest
+import torch
 
-from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import parity_status
+from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import fill_state, parity_lockstep, parity_status
+from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import ReferenceOps
+from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
+from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import RoundingNoiseOps
+from vllm.models.kimi_k3.nvidia.tests._util import mini_model
 
 
 def _par(spec_err, spec_top1, base_err, base_top1, tokens):
@@ -33,3 +38,37 @@ def test_the_verdict_weighs_top1_by_the_tokens_counted(par, verdict):
 def test_without_a_yardstick_the_absolute_bounds_apply():
     assert parity_status({"specialized": {"steps": 8, "rel_err_median": 1e-3, "top1_agreement": 1.0}}) == "pass"
     assert parity_status({"specialized": {"steps": 8, "rel_err_median": 5e-2, "top1_agreement": 1.0}}) == "fail"
+
+
+def test_lockstep_parity_serves_every_path_from_one_standard_run():
+    """Every executor starts from the first one's state and gets the standard path's tokens; one
+    that raises is dropped and named, the required one's error propagates."""
+    class Failing(ReferenceOps):
+        armed = False
+
+        def rms_norm(self, x, w, eps):
+            if self.armed:
+                raise RuntimeError("broken on purpose")
+            return super().rms_norm(x, w, eps)
+
+    model = mini_model(seed=2)
+
+    def executor(ops):
+        return SpecializedDecode(model, max_requests=2, max_len=64, buckets=[(2, 1)], ops=ops, graphs=False,
+                                 log=lambda _: None)
+    exact, noisy, failing = executor(ReferenceOps()), executor(RoundingNoiseOps()), executor(Failing())
+    slots = fill_state(exact.state, 2, 40, torch.Generator().manual_seed(0))
+    for ex in (noisy, failing):
+        for _ in slots:
+            ex.state.allocate()
+    failing.ops.armed = True
+    std = model.new_state(max_requests=2, max_len=64)
+    par, dropped = parity_lockstep(model, {"exact": exact, "noisy": noisy, "failing": failing}, std, slots, 1, 6,
+                                   torch.Generator().manual_seed(1), required="exact")
+    assert set(par) == {"exact", "noisy"} and "broken on purpose" in dropped["failing"]
+    assert par["exact"]["rel_err_max"] == 0 and par["exact"]["top1_agreement"] == 1.0
+    assert par["exact"]["tokens"] == par["noisy"]["tokens"] == 12
+    assert par["noisy"]["rel_err_median"] > 0
+    with pytest.raises(RuntimeError, match="broken on purpose"):
+        parity_lockstep(model, {"failing": failing}, std, slots, 1, 2, torch.Generator().manual_seed(1),
+                        required="failing")
