@@ -22,7 +22,7 @@ import torch
 
 from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (FULL_LAYERS, PARITY_OP_REL,
                                                                     SOURCES, copy_state, fill_state, k3_block, parity,
-                                                                    parity_status)
+                                                                    parity_lockstep, parity_status)
 from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import KernelOps, ReferenceOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.latency_specialized.op_parity import ComparedOps
@@ -77,8 +77,9 @@ def test_long_runs_at_full_depth_do_not_drift(dense, rows, q):
     gen = torch.Generator(device="cuda").manual_seed(7)
     # anchor: each path against eager from the same state (parity copies it over first); the
     # rounding-noise table is the baseline of decode_latency's rule
-    anchor = {name: parity(model, ex, eager, slots, q, ANCHOR_STEPS, gen)
-              for name, ex in (("specialized", spec), ("standard_rounding_noise", noisy), ("standard_graphed", graphed))}
+    anchor, _ = parity_lockstep(model, {"specialized": spec, "standard_rounding_noise": noisy,
+                                        "standard_graphed": graphed}, eager, slots, q, ANCHOR_STEPS, gen,
+                                required="specialized")
     anchored = parity_status(anchor) == "pass"
     # the long run: specialized against the graphed standard table, from the state the anchor left
     run = parity(_AsModel(graphed), spec, graphed.state, slots, q, RUNS[(rows, q)], gen)

@@ -1,0 +1,74 @@
+"""decode_latency's block-parity verdict: the rounding-noise yardstick, with top-1 agreement judged
+as a rate over the tokens it was counted on."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import fill_state, parity_lockstep, parity_status
+from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import ReferenceOps
+from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
+from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import RoundingNoiseOps
+from vllm.models.kimi_k3.nvidia.tests._util import mini_model
+
+
+def _par(spec_err, spec_top1, base_err, base_top1, tokens):
+    return {"specialized": {"steps": 8, "tokens": tokens, "rel_err_median": spec_err, "top1_agreement": spec_top1},
+            "standard_rounding_noise": {"steps": 8, "tokens": tokens, "rel_err_median": base_err,
+                                        "top1_agreement": base_top1}}
+
+
+@pytest.mark.parametrize("par, verdict", [
+    # H200 records of 2026-12-03 at one row (8 tokens): 0/8 and 1/8 against the yardstick's 2/8
+    (_par(0.66, 0.0, 0.82, 0.25, 8), "pass"),
+    (_par(0.74, 0.125, 0.73, 0.25, 8), "pass"),
+    # the same rates over 512 tokens are a real difference
+    (_par(0.66, 0.0, 0.82, 0.25, 512), "fail"),
+    (_par(0.70, 0.10, 0.75, 0.30, 512), "fail"),
+    (_par(0.70, 0.20, 0.75, 0.30, 512), "pass"),  # within 1/1.5 of the yardstick's rate
+    # the logit error is judged as before, whatever the token count
+    (_par(1.40, 0.30, 0.75, 0.30, 8), "fail"),
+    (_par(1.10, 0.30, 0.75, 0.30, 512), "pass"),  # 1.10 <= 1.5 · 0.75 + 0.02
+])
+def test_the_verdict_weighs_top1_by_the_tokens_counted(par, verdict):
+    assert parity_status(par) == verdict
+
+
+def test_without_a_yardstick_the_absolute_bounds_apply():
+    assert parity_status({"specialized": {"steps": 8, "rel_err_median": 1e-3, "top1_agreement": 1.0}}) == "pass"
+    assert parity_status({"specialized": {"steps": 8, "rel_err_median": 5e-2, "top1_agreement": 1.0}}) == "fail"
+
+
+def test_lockstep_parity_serves_every_path_from_one_standard_run():
+    """Every executor starts from the first one's state and gets the standard path's tokens; one
+    that raises is dropped and named, the required one's error propagates."""
+    class Failing(ReferenceOps):
+        armed = False
+
+        def rms_norm(self, x, w, eps):
+            if self.armed:
+                raise RuntimeError("broken on purpose")
+            return super().rms_norm(x, w, eps)
+
+    model = mini_model(seed=2)
+
+    def executor(ops):
+        return SpecializedDecode(model, max_requests=2, max_len=64, buckets=[(2, 1)], ops=ops, graphs=False,
+                                 log=lambda _: None)
+    exact, noisy, failing = executor(ReferenceOps()), executor(RoundingNoiseOps()), executor(Failing())
+    slots = fill_state(exact.state, 2, 40, torch.Generator().manual_seed(0))
+    for ex in (noisy, failing):
+        for _ in slots:
+            ex.state.allocate()
+    failing.ops.armed = True
+    std = model.new_state(max_requests=2, max_len=64)
+    par, dropped = parity_lockstep(model, {"exact": exact, "noisy": noisy, "failing": failing}, std, slots, 1, 6,
+                                   torch.Generator().manual_seed(1), required="exact")
+    assert set(par) == {"exact", "noisy"} and "broken on purpose" in dropped["failing"]
+    assert par["exact"]["rel_err_max"] == 0 and par["exact"]["top1_agreement"] == 1.0
+    assert par["exact"]["tokens"] == par["noisy"]["tokens"] == 12
+    assert par["noisy"]["rel_err_median"] > 0
+    with pytest.raises(RuntimeError, match="broken on purpose"):
+        parity_lockstep(model, {"failing": failing}, std, slots, 1, 2, torch.Generator().manual_seed(1),
+                        required="failing")
