@@ -102,6 +102,9 @@ def main(argv: list[str] | None = None) -> int:
             record = record_tests(root, args.out.resolve(), args.kind, args.family, args.sources, command)
             counts = {s: sum(r["status"] == s for r in record["results"]) for s in ("pass", "fail", "skip")}
             print(f"wrote {args.out}: " + ", ".join(f"{n} {s}" for s, n in counts.items()))
+            for r in record["results"]:
+                if r["status"] != "pass":
+                    print(f"  {r['status']} {r['name']}: {r.get('reason', '')}")
             return 0 if counts["pass"] == len(record["results"]) else 1
         model = _one_model(root, args.model)
         out = args.out.resolve()

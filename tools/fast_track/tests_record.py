@@ -6,7 +6,8 @@
 The command must be a pytest run; `--junitxml` is added to it, and each test case of the
 report becomes a result named after the test (`test_name` or `test_name[param]`, the form
 item `features` matches against SCOPE.yaml's preserved features), with status `pass`,
-`fail` or `skip` (a skipped test proves nothing, so it does not count as a pass). The record
+`fail` or `skip` (a skipped test proves nothing, so it does not count as a pass); a failure
+keeps the first lines of its message, and a skip its reason, so the record says why. The record
 (kind `parity` or `kernel-test`) lists `--source`: the files whose behaviour the tests
 prove, so that its freshness follows them. The GPU runners use it for the preserved-feature
 tests on the specialized path.
@@ -24,6 +25,7 @@ from typing import Any
 from .records import record_head, write_json
 
 KINDS = ("parity", "kernel-test")
+MESSAGE_LINES = 8
 
 
 def outcomes(junit_xml: Path) -> list[dict[str, Any]]:
@@ -34,9 +36,13 @@ def outcomes(junit_xml: Path) -> list[dict[str, Any]]:
         status = "fail" if verdicts & {"failure", "error"} else "skip" if verdicts else "pass"
         result = {"name": case.get("name", ""), "module": case.get("classname", ""), "status": status,
                   "seconds": float(case.get("time", 0.0))}
-        skipped = case.find("skipped")
-        if skipped is not None:
-            result["reason"] = skipped.get("message", "")
+        for tag in ("failure", "error", "skipped"):
+            verdict = case.find(tag)
+            if verdict is not None:
+                # pytest's message is the exception's first line; the report text holds its assertion
+                text = verdict.get("message") or (verdict.text or "")
+                result["reason"] = "\n".join(text.strip().splitlines()[:MESSAGE_LINES])
+                break
         results.append(result)
     return results
 

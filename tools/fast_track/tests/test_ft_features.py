@@ -82,6 +82,15 @@ def test_record_tests_writes_each_outcome_and_the_item_reads_it(repo, monkeypatc
     record = json.loads(out.read_text())
     assert [(r["status"], r["reason"]) for r in record["results"]] == [("skip", "no GPU")]
     assert _features(repo).status == FAIL
+    # a failure keeps its assertion message, in the record and on the terminal
+    path.write_text(path.read_text().replace("@pytest.mark.skip(reason='no GPU')\n", "")
+                    .replace("def test_sampling_same_on_both_paths():",
+                             "def test_sampling_same_on_both_paths():\n    assert 1 == 2, 'rel err 0.5'"))
+    capsys.readouterr()
+    assert main(["record-tests", "--out", PARITY, "--family", "features", "--source", KERNEL, "--", *cmd]) == 1
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["status"] == "fail" and "rel err 0.5" in result["reason"]
+    assert "fail test_sampling_same_on_both_paths: " in capsys.readouterr().out
 
 
 def test_record_tests_refuses_a_command_that_is_not_pytest(repo, monkeypatch, capsys):
