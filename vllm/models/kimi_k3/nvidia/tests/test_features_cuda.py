@@ -10,8 +10,10 @@ test_model_reference.py) prove the harness and the fallback; these prove the ker
   the bound (12 of 16 sequences of 24 tokens identical) leaves room for that, not for a bug.
 - structured output (xgrammar JSON schema and regex): valid on the specialized path, and the
   same tokens as the standard path under greedy decoding.
-- full context: decode steps on the kernels at the end of a 4096-token context give the logits
-  a prefill of the whole sequence gives; a step past the executor's max_len is not planned.
+- full context: the last decode steps of a 4096-token context give, on the kernels, the logits
+  the standard path's decode steps give on the same prefix (not a prefill's: decode against
+  prefill differs by ~1e-2 on the standard path itself, bf16 caches and another summation
+  order); a step past the executor's max_len is not planned.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from vllm.models.kimi_k3.nvidia.tests._util import rel_err
 TOK = ByteTokenizer()
 MAX_LEN = 512
 CONTEXT = 4096
+STEPS = 8  # decode steps at the end of the context
 LOGIT_REL = 2e-2  # bf16 kernels against bf16 cuBLAS on a trained model (decode_latency's PARITY_MEDIAN_REL)
 
 
@@ -108,17 +111,20 @@ def test_structured_output_on_the_kernels(tiny):
 
 
 @pytest.mark.gpu
-def test_full_context_decode_on_the_kernels_matches_prefill(tiny):
+def test_full_context_decode_on_the_kernels_matches_the_standard_path(tiny):
     gen = torch.Generator().manual_seed(4)
     seq = torch.randint(0, 256, (CONTEXT,), generator=gen).cuda()
+    prefix = CONTEXT - STEPS
     ex = SpecializedDecode(tiny, max_requests=1, max_len=CONTEXT, buckets=[(1, 1)])
-    r = ex.state.allocate()
-    tiny.forward(seq[:CONTEXT - 8], [ex.state.segment(r, 0, CONTEXT - 8, prefill=True)], ex.state)
-    for t in range(CONTEXT - 8, CONTEXT):
+    std = tiny.new_state(max_requests=1, max_len=CONTEXT)
+    r, s = ex.state.allocate(), std.allocate()
+    tiny.forward(seq[:prefix], [ex.state.segment(r, 0, prefix, prefill=True)], ex.state)
+    tiny.forward(seq[:prefix], [std.segment(s, 0, prefix, prefill=True)], std)
+    errs = []
+    for t in range(prefix, CONTEXT):
         got = ex(seq[t:t + 1], [ex.state.segment(r, 0, 1, prefill=False)], ex.state)
-    assert ex.state.seq_lens[r] == CONTEXT
-    fresh = tiny.new_state(max_requests=1, max_len=CONTEXT)
-    f = fresh.allocate()
-    want = tiny.logits(tiny.forward(seq, [fresh.segment(f, 0, CONTEXT, prefill=True)], fresh))[-1:]
-    assert rel_err(got, want) < LOGIT_REL
+        want = tiny.logits(tiny.forward(seq[t:t + 1], [std.segment(s, 0, 1, prefill=False)], std))
+        errs.append(rel_err(got, want))
+    assert int(ex.state.seq_lens[r]) == CONTEXT, f"{int(ex.state.seq_lens[r])} positions cached, not {CONTEXT}"
+    assert max(errs) < LOGIT_REL, f"decode logits at positions {prefix}..{CONTEXT - 1}, rel errs {errs}"
     assert ex.plan(StepFacts(rows=1, tokens_per_request=1, max_context=CONTEXT + 1, pure_decode=True)) is None
