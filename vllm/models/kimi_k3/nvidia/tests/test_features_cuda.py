@@ -10,10 +10,12 @@ test_model_reference.py) prove the harness and the fallback; these prove the ker
   the bound (12 of 16 sequences of 24 tokens identical) leaves room for that, not for a bug.
 - structured output (xgrammar JSON schema and regex): valid on the specialized path, and the
   same tokens as the standard path under greedy decoding.
-- full context: the last decode steps of a 4096-token context give, on the kernels, the logits
-  the standard path's decode steps give on the same prefix (not a prefill's: decode against
-  prefill differs by ~1e-2 on the standard path itself, bf16 caches and another summation
-  order); a step past the executor's max_len is not planned.
+- full context: at the end of a 4096-token context every kernel matches its reference op on
+  identical inputs (PARITY_OP_REL), and 16 decode steps on the kernels stay as close to the
+  standard decode as the standard path with bf16 rounding noise does (decode_latency's
+  parity rule: the trained model's top-2-of-8 routing flips on bf16-sized differences, which
+  moved single steps by up to 0.24 while every op agreed to 1.6e-3, H200, 2026-12-03); a step
+  past the executor's max_len is not planned.
 """
 
 from __future__ import annotations
@@ -24,23 +26,26 @@ import re
 import pytest
 import torch
 
+from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (PARITY_OP_REL, copy_state, parity_lockstep,
+                                                                    parity_status)
 from vllm.models.kimi_k3.nvidia.evals.tiny import config_named, shipped_weights
+from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import KernelOps, ReferenceOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.deployment import Deployment, StepFacts
 from vllm.models.kimi_k3.nvidia.latency_specialized.dispatch import Dispatcher
 from vllm.models.kimi_k3.nvidia.latency_specialized.engine import Engine, Request, build_specialized
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
+from vllm.models.kimi_k3.nvidia.latency_specialized.op_parity import ComparedOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.options import BackendOptions
 from vllm.models.kimi_k3.nvidia.latency_specialized.sampler import SamplingParams
 from vllm.models.kimi_k3.nvidia.latency_specialized.tokenizer import ByteTokenizer
+from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import RoundingNoiseOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.weights import SafetensorsSource, load_rank
 from vllm.models.kimi_k3.nvidia.reference.model import ReferenceModel
-from vllm.models.kimi_k3.nvidia.tests._util import rel_err
 
 TOK = ByteTokenizer()
 MAX_LEN = 512
 CONTEXT = 4096
-STEPS = 8  # decode steps at the end of the context
-LOGIT_REL = 2e-2  # bf16 kernels against bf16 cuBLAS on a trained model (decode_latency's PARITY_MEDIAN_REL)
+STEPS = 16  # decode steps at the end of the context
 
 
 @pytest.fixture(scope="module")
@@ -115,16 +120,24 @@ def test_full_context_decode_on_the_kernels_matches_the_standard_path(tiny):
     gen = torch.Generator().manual_seed(4)
     seq = torch.randint(0, 256, (CONTEXT,), generator=gen).cuda()
     prefix = CONTEXT - STEPS
-    ex = SpecializedDecode(tiny, max_requests=1, max_len=CONTEXT, buckets=[(1, 1)])
+    kw = {"max_requests": 1, "max_len": CONTEXT, "buckets": [(1, 1)]}
+    spec = SpecializedDecode(tiny, **kw)
+    r = spec.state.allocate()
+    tiny.forward(seq[:prefix], [spec.state.segment(r, 0, prefix, prefill=True)], spec.state)
+    # per op: each kernel against its reference op on identical inputs, at the end of the context
+    compared = ComparedOps(KernelOps(), ReferenceOps())
+    per_op = SpecializedDecode(tiny, **kw, ops=compared, graphs=False)
+    copy_state(per_op.state, spec.state)
+    per_op(seq[prefix:prefix + 1], [per_op.state.segment(r, 0, 1, prefill=False)], per_op.state)
+    bad = [(op, i, err) for op, i, err in compared.report
+           if (err < 0.99 if op == "route.ids_equal" else not err <= PARITY_OP_REL)]
+    assert not bad, f"ops off their reference at position {prefix}: {bad}"
+    # whole steps: the kernels' logits against the standard decode's, judged by decode_latency's
+    # rule (no further than the standard path with bf16 rounding noise, whose routing flips too)
+    noise = SpecializedDecode(tiny, **kw, ops=RoundingNoiseOps(), graphs=False)
     std = tiny.new_state(max_requests=1, max_len=CONTEXT)
-    r, s = ex.state.allocate(), std.allocate()
-    tiny.forward(seq[:prefix], [ex.state.segment(r, 0, prefix, prefill=True)], ex.state)
-    tiny.forward(seq[:prefix], [std.segment(s, 0, prefix, prefill=True)], std)
-    errs = []
-    for t in range(prefix, CONTEXT):
-        got = ex(seq[t:t + 1], [ex.state.segment(r, 0, 1, prefill=False)], ex.state)
-        want = tiny.logits(tiny.forward(seq[t:t + 1], [std.segment(s, 0, 1, prefill=False)], std))
-        errs.append(rel_err(got, want))
-    assert int(ex.state.seq_lens[r]) == CONTEXT, f"{int(ex.state.seq_lens[r])} positions cached, not {CONTEXT}"
-    assert max(errs) < LOGIT_REL, f"decode logits at positions {prefix}..{CONTEXT - 1}, rel errs {errs}"
-    assert ex.plan(StepFacts(rows=1, tokens_per_request=1, max_context=CONTEXT + 1, pure_decode=True)) is None
+    par, _ = parity_lockstep(tiny, {"specialized": spec, "standard_rounding_noise": noise}, std, [r], 1, STEPS,
+                             torch.Generator(device="cuda").manual_seed(5), required="specialized")
+    assert spec.state.seq_lens[r] == CONTEXT, f"{spec.state.seq_lens[r]} positions cached, not {CONTEXT}"
+    assert parity_status(par) == "pass", par
+    assert spec.plan(StepFacts(rows=1, tokens_per_request=1, max_context=CONTEXT + 1, pure_decode=True)) is None
