@@ -334,6 +334,14 @@ def _run_attn_res(layer: _Layer, form: str, nb: int, tiling=None):
     return out, live, kw.get("mix_out"), ref, live_ref, mix_ref
 
 
+def _score(out, live, mix, ref, live_ref, mix_ref) -> tuple[float, int, bool | None]:
+    """(worst relative error of out and mix_out, NaN elements left in any output, live_out bit-exact
+    or None) of one `_run_attn_res`."""
+    unwritten = sum(int(torch.isnan(t).sum()) for t in (out, live, mix) if t is not None)
+    rel = max(rel_err(out, ref), rel_err(mix, mix_ref) if mix is not None else 0.0)
+    return rel, unwritten, None if live is None else torch.equal(live, live_ref)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("form, nb", ATTN_RES_FORMS, ids=[f"{f}-{nb}" for f, nb in ATTN_RES_FORMS])
 def test_attn_res_matches_reference(form, nb, evidence):
@@ -344,16 +352,7 @@ def test_attn_res_matches_reference(form, nb, evidence):
     for dist in DISTRIBUTIONS:
         for m in rows:
             layer = _Layer(m, dist, gen)
-            out, live, mix, ref, live_ref, mix_ref = _run_attn_res(layer, form, nb)
-            unwritten = int(torch.isnan(out).sum())
-            exact = None
-            if live is not None:
-                unwritten += int(torch.isnan(live).sum())
-                exact = torch.equal(live, live_ref)
-            rel = rel_err(out, ref)
-            if mix is not None:
-                unwritten += int(torch.isnan(mix).sum())
-                rel = max(rel, rel_err(mix, mix_ref))
+            rel, unwritten, exact = _score(*_run_attn_res(layer, form, nb))
             _record(evidence["attn_res"], failures, f"attn_res {form} n_blocks={nb} M={m} {dist}", rel, unwritten,
                     exact=exact, shape={"m": m, "n_blocks": nb, "h": H}, form=form, distribution=dist,
                     tiling=attn_res.choose_tiling(m, torch.cuda.get_device_properties(0).multi_processor_count).split)
@@ -371,16 +370,7 @@ def test_attn_res_small_hidden_matches_reference(h, evidence):
         for dist in DISTRIBUTIONS:
             for m in (1, 64):
                 layer = _Layer(m, dist, gen, h)
-                out, live, mix, ref, live_ref, mix_ref = _run_attn_res(layer, form, nb)
-                unwritten = int(torch.isnan(out).sum())
-                exact = None
-                if live is not None:
-                    unwritten += int(torch.isnan(live).sum())
-                    exact = torch.equal(live, live_ref)
-                rel = rel_err(out, ref)
-                if mix is not None:
-                    unwritten += int(torch.isnan(mix).sum())
-                    rel = max(rel, rel_err(mix, mix_ref))
+                rel, unwritten, exact = _score(*_run_attn_res(layer, form, nb))
                 _record(evidence["attn_res"], failures, f"attn_res H={h} {form} n_blocks={nb} M={m} {dist}", rel,
                         unwritten, exact=exact, shape={"m": m, "n_blocks": nb, "h": h}, form=form,
                         distribution=dist, tiling=1)
