@@ -11,6 +11,7 @@ between the specialized and the standard path is traced to the one op that cause
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from typing import Any
 
@@ -74,14 +75,14 @@ class ComparedOps(DecodeOps):
         return want
 
     def kda_core(self, z, g_raw, w, st, meta, cfg, shard):
-        copy = type(st)(rec=st.rec.clone(), conv=st.conv.clone())
+        copy = type(st)(**{f.name: getattr(st, f.name).clone() for f in dataclasses.fields(st)})
         got = self.test.kda_core(z, g_raw, w, copy, meta, cfg, shard)
         want = self.oracle.kda_core(z, g_raw, w, st, meta, cfg, shard)
         self.report.append(("kda_core", 0, _rel(got, want)))
-        # slot 0 is the null slot padding rows write; the short-conv window is state too, and an
-        # error there shows only in later steps
-        self.report.append(("kda_core.state", 0, _rel(copy.rec[1:], st.rec[1:])))
-        self.report.append(("kda_core.conv", 0, _rel(copy.conv[1:], st.conv[1:])))
+        # every pool the step writes (recurrent state, short-conv window): an error there shows
+        # only in later steps. Slot 0 is the null slot that padding rows write.
+        for f in dataclasses.fields(st):
+            self.report.append((f"kda_core.{f.name}", 0, _rel(getattr(copy, f.name)[1:], getattr(st, f.name)[1:])))
         return want
 
     def mla_cache_write(self, kv_c, k_pe, norm_w, eps, cache, index) -> None:

@@ -159,14 +159,16 @@ def test_compared_ops_trace_a_difference_to_its_op(model):
         def rms_norm(self, x, w, eps):
             return super().rms_norm(x, w, eps) * 1.01
 
-    class BrokenConvWindow(ReferenceOps):
-        def kda_core(self, z, g_raw, w, st, meta, cfg, shard):
-            out = super().kda_core(z, g_raw, w, st, meta, cfg, shard)
-            st.conv[1:] += 1  # the step's output is right; only a later step would read this
-            return out
+    def broken_pool(name):
+        class BrokenPool(ReferenceOps):
+            def kda_core(self, z, g_raw, w, st, meta, cfg, shard):
+                out = super().kda_core(z, g_raw, w, st, meta, cfg, shard)
+                getattr(st, name)[1:] += 1  # the step's output is right; only a later step would read this
+                return out
+        return BrokenPool()
 
     for test, broken in ((ReferenceOps(), set()), (PaddedReferenceOps(), set()), (BrokenNorm(), {"rms_norm"}),
-                         (BrokenConvWindow(), {"kda_core.conv"})):
+                         (broken_pool("rec"), {"kda_core.rec"}), (broken_pool("conv"), {"kda_core.conv"})):
         ops = ComparedOps(test, ReferenceOps())
         ex = SpecializedDecode(model, max_requests=2, max_len=32, buckets=[(2, 1)], ops=ops, graphs=False,
                                log=lambda _: None)
