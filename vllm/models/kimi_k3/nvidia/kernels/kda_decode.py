@@ -1,8 +1,7 @@
 """KDA decode and speculative verify in one kernel: short conv, gates, gated delta rule, gated norm.
 
-Status: compiled (sm_90a, sm_100a, sm_103a); on the H200 only a first smoke has run (2026-12-02:
-test_matches_reference for 6/12/96 heads and test_all_padding_rows_are_zero passed); the
-full GPU test, benchmark and sanitizer evidence are pending.
+Compiled for sm_90a, sm_100a and sm_103a. Evidence (H200): `evidence/h200/kda_decode_test.json`,
+`kda_decode_bench.json`, `kda_decode_sanitizer.json`.
 
 Math (K3_MATH.md §3.4 steps 3-8, §4; reference: `reference/kda.py::kda_attention`, decode
 segments, in its documented precision variant). Per request r with q tokens (rows r·q + t),

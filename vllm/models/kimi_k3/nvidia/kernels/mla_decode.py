@@ -1,11 +1,8 @@
 """MLA absorbed decode attention over the paged latent cache, split over the KV length.
 
-**Status: compiled (sm_90a, sm_100a, sm_103a; every plan of `sweep_plans` for sm_90a without
-spills) and CPU-tested (schedule, split model, PTX). The GPU-tested design (4 warps, 32-token
-chunks, 4-stage ring, 32-row tiles, four waves; 2.5 TB/s at best) is superseded by the one
-below. The new design is pending its H200 test and benchmark evidence: one informal H200 run
-(2026-12-03, no evidence record) passed this file's GPU tests and a side-by-side timing of the
-`sweep_plans` variants, which chose the defaults below.**
+Compiled for sm_90a, sm_100a and sm_103a (every plan of `sweep_plans` for sm_90a without
+spills). Evidence (H200): `evidence/h200/mla_decode_test.json`, `mla_decode_bench.json` (the
+benchmark times the `sweep_plans` variants side by side; the defaults below are its choice).
 
 Math (K3_MATH.md §3.5 (6); `reference/mla.py::attend_absorbed` is the oracle, read up to its
 latent output ol, before W_UV): for every query row i of a request, with q_lat_i = [ql | q_pe]

@@ -1,8 +1,7 @@
 """MoE router epilogue for decode rows: sigmoid, correction bias, top-k, renormalize, scale.
 
-Status: GPU-tested on the H200 (evidence/h200/moe_test.json) in its previous design (~29-30 us
-at every M); this design is compile-checked (sm_90a, sm_100a, sm_103a) and its GPU test and
-timing are pending re-measurement.
+Compiled for sm_90a, sm_100a and sm_103a. Evidence (H200): `evidence/h200/moe_test.json`,
+`moe_bench.json`.
 
 Math (`reference/moe.py::route`, K3_MATH.md §3.6), per row of the fp32 router logits ℓ:
 
