@@ -75,7 +75,8 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32
 
-from .rms_norm import block_sums, current_stream, device_arch, gmem_ptr, pow2_at_least
+from .device import facts
+from .rms_norm import block_sums, current_stream, gmem_ptr, pow2_at_least
 
 HEAD_DIM = 128
 CONV_WIDTH = 4
@@ -484,7 +485,6 @@ def check_envelope(z: torch.Tensor, g_raw: torch.Tensor, conv_weight: torch.Tens
 
 
 _COMPILED: dict[tuple[KdaDecodePlan, str], Any] = {}
-_SM_COUNT: dict[torch.device, int] = {}
 
 
 def launch(z: torch.Tensor, g_raw: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
@@ -506,12 +506,10 @@ def launch(z: torch.Tensor, g_raw: torch.Tensor, conv_weight: torch.Tensor, A_lo
     if out is None:
         out = torch.empty((requests * q, heads * HEAD_DIM), dtype=torch.bfloat16, device=dev)
     if split is None:
-        if dev not in _SM_COUNT:
-            _SM_COUNT[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-        split = choose_split(requests, heads, _SM_COUNT[dev])
+        split = choose_split(requests, heads, facts(dev).sm_count)
     _need(split in SPLITS, f"split={split} is not one of {SPLITS}")
     plan = KdaDecodePlan(heads, q, conv.shape[1], z.stride(0), g_raw.stride(0), out.stride(0), split)
-    key = (plan, device_arch(dev))
+    key = (plan, facts(dev).arch)
     fn = _COMPILED.get(key)
     if fn is None:
         fn = _COMPILED[key] = compile_kda_decode(plan, key[1])

@@ -49,7 +49,8 @@ import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, const_expr
 
 from . import moe_combine
-from .rms_norm import device_arch, gmem_ptr
+from .device import DeviceFacts, facts
+from .rms_norm import gmem_ptr
 
 MAX_ROWS = 64
 MAX_TOP_K = 32
@@ -393,38 +394,18 @@ def check_envelope(x_lat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     need(all(t.data_ptr() % 16 == 0 for t in named.values()), "all tensors must be 16-byte aligned (fresh allocations are)")
 
 
-class _DeviceState:
-    """Per-device arch and the bf16 h / o buffers of each (k, I, H)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.arch = device_arch(device)
-        self.device = device
-        self._buffers: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def buffers(self, top_k: int, inter: int, h: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [64·k, I] and o [64·k, H] bf16; rows of picks not made are never written or read."""
-        key = (top_k, inter, h)
-        if key not in self._buffers:
-            self._buffers[key] = (
-                torch.empty(MAX_ROWS * top_k, inter, dtype=torch.bfloat16, device=self.device),
-                torch.empty(MAX_ROWS * top_k, h, dtype=torch.bfloat16, device=self.device),
-            )
-        return self._buffers[key]
+def buffers(dev: DeviceFacts, top_k: int, inter: int, h: int) -> tuple[torch.Tensor, ...]:
+    """h [64·k, I] and o [64·k, H] bf16 for each (k, I, H); rows of picks not made are never
+    written or read."""
+    return dev.scratch(("moe_experts", top_k, inter, h), lambda d: (
+        torch.empty(MAX_ROWS * top_k, inter, dtype=torch.bfloat16, device=d),
+        torch.empty(MAX_ROWS * top_k, h, dtype=torch.bfloat16, device=d)))
 
 
-_DEVICES: dict[torch.device, _DeviceState] = {}
 _COMPILED: dict[tuple, Any] = {}
 
 
-def _device_state(device: torch.device) -> _DeviceState:
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _DEVICES:
-        _DEVICES[device] = _DeviceState(device)
-    return _DEVICES[device]
-
-
-def _gemv(dev: _DeviceState, gate_up: bool, w: torch.Tensor, x: torch.Tensor, ids: torch.Tensor,
+def _gemv(dev: DeviceFacts, gate_up: bool, w: torch.Tensor, x: torch.Tensor, ids: torch.Tensor,
           out: torch.Tensor, m: int, n_out: int, k: int, beta: float | None, linear_beta: float | None,
           stream: cuda.CUstream) -> None:
     n_experts, top_k = w.shape[0], ids.shape[1]
@@ -451,8 +432,8 @@ def launch(x_lat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: t
     check_envelope(x_lat, ids, weights, w13, w2, out)
     m, h = x_lat.shape
     top_k, inter = ids.shape[1], w2.shape[2]
-    dev = _device_state(x_lat.device)
-    hidden, expert_out = dev.buffers(top_k, inter, h)
+    dev = facts(x_lat.device)
+    hidden, expert_out = buffers(dev, top_k, inter, h)
     if out is None:
         out = torch.empty((m, h), dtype=torch.bfloat16, device=x_lat.device)
     torch_stream = torch.cuda.current_stream(x_lat.device) if stream is None else stream

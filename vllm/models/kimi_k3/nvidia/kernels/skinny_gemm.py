@@ -43,6 +43,8 @@ import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32, const_expr
 from cutlass.cute.runtime import make_ptr
 
+from .device import DeviceFacts, facts
+
 MAX_ROWS = 64
 _OUT_DTYPES = {torch.bfloat16: BFloat16, torch.float32: Float32}
 
@@ -328,38 +330,16 @@ def check_envelope(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None,
     need(all(t.data_ptr() % 16 == 0 for t in tensors), "x, w and out must be 16-byte aligned (fresh allocations are)")
 
 
-class _DeviceState:
-    """Per-device facts and scratch: arch string, SM count, split-K workspaces and counters."""
-
-    def __init__(self, device: torch.device) -> None:
-        major, minor = torch.cuda.get_device_capability(device)
-        self.arch = f"sm_{major}{minor}a"
-        self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-        self.device = device
-        self._scratch: dict[tuple[int, Tiling], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def scratch(self, n: int, tiling: Tiling) -> tuple[torch.Tensor, torch.Tensor]:
-        """FP32 partials [splits, 64, N] and zeroed per-tile arrival counters for one shape."""
-        key = (n, tiling)
-        if key not in self._scratch:
-            ws_elems = tiling.splits * MAX_ROWS * n if tiling.splits > 1 else 4
-            self._scratch[key] = (
-                torch.empty(ws_elems, dtype=torch.float32, device=self.device),
-                torch.zeros(tiling.tiles_n(n), dtype=torch.int32, device=self.device),
-            )
-        return self._scratch[key]
+def _split_scratch(dev: DeviceFacts, n: int, tiling: Tiling) -> tuple[torch.Tensor, ...]:
+    """FP32 partials [splits, 64, N] and zeroed per-tile arrival counters for one shape (the last
+    CTA of a tile zeroes its counter again)."""
+    ws_elems = tiling.splits * MAX_ROWS * n if tiling.splits > 1 else 4
+    return dev.scratch(("skinny_gemm", n, tiling), lambda d: (
+        torch.empty(ws_elems, dtype=torch.float32, device=d),
+        torch.zeros(tiling.tiles_n(n), dtype=torch.int32, device=d)))
 
 
-_DEVICES: dict[torch.device, _DeviceState] = {}
 _COMPILED: dict[tuple, Any] = {}
-
-
-def _device_state(device: torch.device) -> _DeviceState:
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _DEVICES:
-        _DEVICES[device] = _DeviceState(device)
-    return _DEVICES[device]
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
@@ -372,14 +352,14 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
     """
     check_envelope(x, w, out, out_dtype)
     (m, k), n = x.shape, w.shape[0]
-    dev = _device_state(x.device)
+    dev = facts(x.device)
     m_atoms = -(-m // 8)
     tiling = tiling or choose_tiling(n, k, m_atoms, dev.sm_count)
     key = (n, k, m_atoms, out_dtype, dev.arch, tiling)
     fn = _COMPILED.get(key)
     if fn is None:
         fn = _COMPILED[key] = compile_skinny_gemm(n, k, m_atoms, out_dtype, tiling, dev.arch)
-    ws, cnt = dev.scratch(n, tiling)
+    ws, cnt = _split_scratch(dev, n, tiling)
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     stream = torch.cuda.current_stream(x.device) if stream is None else stream

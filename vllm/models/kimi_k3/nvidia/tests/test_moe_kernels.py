@@ -28,6 +28,7 @@ import torch
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install nvidia-cutlass-dsl==4.8.1)")
 
 from vllm.models.kimi_k3.nvidia.kernels import moe_combine, moe_experts, moe_router  # noqa: E402
+from vllm.models.kimi_k3.nvidia.kernels.device import facts  # noqa: E402
 from vllm.models.kimi_k3.nvidia.latency_specialized.config import PRESETS  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_kernel_test  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._util import DISTRIBUTIONS, draw  # noqa: E402
@@ -261,7 +262,7 @@ def evidence():
 
 def _poison_buffers(device: torch.device, inter: int) -> None:
     """NaN in the kernels' h / o buffers: a value read before it was written shows in the output."""
-    for buf in moe_experts._device_state(device).buffers(TOP_K, inter, H_LAT):
+    for buf in moe_experts.buffers(facts(device), TOP_K, inter, H_LAT):
         buf.fill_(float("nan"))
 
 
