@@ -51,6 +51,7 @@ from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, const_expr
 from . import moe_combine
 from .device import DeviceFacts, facts
 from .rms_norm import gmem_ptr
+from .skinny_gemm import mma_registers, mma_step
 
 MAX_ROWS = 64
 MAX_TOP_K = 32
@@ -260,12 +261,7 @@ def _expert_gemv_kernel(
             x_rows[i] = src_row[cutlass.min(g + 8 * i, rows - 1)]
         my_chunks = (n_chunks - wk + warps_k - 1) // warps_k
 
-        w_next = cute.make_rmem_tensor(cute.make_layout((lane_elems, w_rows)), BFloat16)
-        w_cur = cute.make_rmem_tensor(cute.make_layout((lane_elems, w_rows)), BFloat16)
-        x_frag = cute.make_rmem_tensor(cute.make_layout((x_elems, m_atoms)), BFloat16)
-        acc = cute.make_rmem_tensor(cute.make_layout(((2, 2), row_tiles, m_atoms)), Float32)
-        acc.fill(0.0)
-        mma = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+        w_next, w_cur, x_frag, acc, mma = mma_registers(lane_elems, w_rows, x_elems, row_tiles, m_atoms)
 
         if my_chunks > 0:
             _load_w(w_vec, w_next, gate_up, n_out, row_tiles, warps_n, tile, wn, g,
@@ -280,15 +276,7 @@ def _expert_gemv_kernel(
             for s in cutlass.range_constexpr(chunk_atoms // x_atoms):
                 _load_x(x_vec, x_frag, x_rows, m_atoms,
                         chunk * (chunk_k // 8) + c * (lane_elems // 8) + s * (x_elems // 8), x_elems // 8)
-                # fragment views in mma.sync value order over the permuted K (skinny_gemm.py)
-                a = cute.make_tensor(
-                    w_cur.iterator + s * x_elems,
-                    cute.make_layout(((2, 2, 2), row_tiles, x_atoms),
-                                     stride=((1, lane_elems, 2), 2 * lane_elems, 4)))
-                b = cute.make_tensor(
-                    x_frag.iterator,
-                    cute.make_layout(((2, 2), m_atoms, x_atoms), stride=((1, 2), x_elems, 4)))
-                cute.gemm(mma, acc, a, b, acc)
+                mma_step(mma, acc, w_cur, x_frag, s, lane_elems, x_elems, row_tiles, x_atoms, m_atoms)
 
         # acc[(v0, v1), r, j]: register row 2r + v1 of the lane group (weight_row), slot 8j + 2c + v0
         for r in cutlass.range_constexpr(row_tiles):

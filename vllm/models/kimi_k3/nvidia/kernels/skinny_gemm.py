@@ -132,6 +132,31 @@ def _load_chunk(src_vec: cute.Tensor, dst: cute.Tensor, first_row: Int32, rows: 
                 cute.autovec_copy(src_vec[(0, None), (row, col0 + v)], vec)
 
 
+def mma_registers(lane_elems: int, w_rows: int, x_elems: int, row_tiles: int, m_atoms: int) -> tuple:
+    """A warp's registers for the GEMV core (also the MoE experts'): the W chunk double buffer
+    (next, current), the x fragments, the zeroed fp32 accumulators and the m16n8k16 bf16 atom."""
+    w_next = cute.make_rmem_tensor(cute.make_layout((lane_elems, w_rows)), BFloat16)
+    w_cur = cute.make_rmem_tensor(cute.make_layout((lane_elems, w_rows)), BFloat16)
+    x_frag = cute.make_rmem_tensor(cute.make_layout((x_elems, m_atoms)), BFloat16)
+    acc = cute.make_rmem_tensor(cute.make_layout(((2, 2), row_tiles, m_atoms)), Float32)
+    acc.fill(0.0)
+    mma = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+    return w_next, w_cur, x_frag, acc, mma
+
+
+def mma_step(mma: Any, acc: cute.Tensor, w_cur: cute.Tensor, x_frag: cute.Tensor, s: int, lane_elems: int,
+             x_elems: int, row_tiles: int, x_atoms: int, m_atoms: int) -> None:
+    """acc += step s of the current W chunk against the x fragments: views of both in mma.sync
+    value order over the permuted K (module docstring)."""
+    a = cute.make_tensor(
+        w_cur.iterator + s * x_elems,
+        cute.make_layout(((2, 2, 2), row_tiles, x_atoms), stride=((1, lane_elems, 2), 2 * lane_elems, 4)))
+    b = cute.make_tensor(
+        x_frag.iterator,
+        cute.make_layout(((2, 2), m_atoms, x_atoms), stride=((1, 2), x_elems, 4)))
+    cute.gemm(mma, acc, a, b, acc)
+
+
 @cute.kernel
 def _skinny_gemm_kernel(
     w_ptr: cute.Pointer, x_ptr: cute.Pointer, y_ptr: cute.Pointer, ws_ptr: cute.Pointer,
@@ -167,12 +192,7 @@ def _skinny_gemm_kernel(
     c_end = cutlass.min(c_begin + per_split, n_chunks)
     my_chunks = (c_end - c_begin - wk + warps_k - 1) // warps_k
 
-    w_next = cute.make_rmem_tensor(cute.make_layout((lane_elems, w_rows)), BFloat16)
-    w_cur = cute.make_rmem_tensor(cute.make_layout((lane_elems, w_rows)), BFloat16)
-    x_frag = cute.make_rmem_tensor(cute.make_layout((x_elems, m_atoms)), BFloat16)
-    acc = cute.make_rmem_tensor(cute.make_layout(((2, 2), row_tiles, m_atoms)), Float32)
-    acc.fill(0.0)
-    mma = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+    w_next, w_cur, x_frag, acc, mma = mma_registers(lane_elems, w_rows, x_elems, row_tiles, m_atoms)
 
     if my_chunks > 0:
         _load_chunk(w_vec, w_next, w_row0, w_rows, n,
@@ -188,15 +208,7 @@ def _skinny_gemm_kernel(
             _load_chunk(x_vec, x_frag, g, m_atoms, m,
                         chunk * (chunk_k // 8) + c * (lane_elems // 8) + s * (x_elems // 8),
                         x_elems // 8, k, k_tail)
-            # fragment views in mma.sync value order over the permuted K (module docstring)
-            a = cute.make_tensor(
-                w_cur.iterator + s * x_elems,
-                cute.make_layout(((2, 2, 2), row_tiles, x_atoms),
-                                 stride=((1, lane_elems, 2), 2 * lane_elems, 4)))
-            b = cute.make_tensor(
-                x_frag.iterator,
-                cute.make_layout(((2, 2), m_atoms, x_atoms), stride=((1, 2), x_elems, 4)))
-            cute.gemm(mma, acc, a, b, acc)
+            mma_step(mma, acc, w_cur, x_frag, s, lane_elems, x_elems, row_tiles, x_atoms, m_atoms)
 
     # the warps_k partial sums meet in shared memory; the pitch pad spreads a warp's stores
     # over the banks
