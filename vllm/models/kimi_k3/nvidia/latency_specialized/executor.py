@@ -4,7 +4,7 @@
 | --- | --- |
 | build | owns the `DecodeState` it serves (KDA pools, MLA cache; slot 0 / block 0 are the null slot and block); each MoE layer's weights as the op table takes them (`prepare_moe`: `KernelOps` zero-pads a model smaller than K3 to the MoE kernels' granularity, `moe_padding.py`); per bucket: static `StepMeta` buffers set to all-padding, one eager warm-up step (compiles every kernel of the step, allocates kernel scratch; touches only the null slot and block), then one capture; reports seconds and graph memory |
 | `plan(facts)` | the bucket for the step's rows and tokens per request, or None (the dispatcher then runs the standard path) |
-| `__call__(ids, segments, state)` | pads the step to its bucket with dummy requests on the null slot (`buckets.pad_to_bucket`), writes ids and slots into the bucket's `StepMeta` in place, replays the graph (eager where graphs are off), commits the segments to the state, returns the real rows' full-vocab fp32 logits |
+| `__call__(ids, segments, state)` | pads the step to its bucket with dummy requests on the null slot (`buckets.pad_to_bucket`), writes ids and slots into the bucket's `StepMeta` in place, replays the graph (eager where graphs are off), commits the segments to the state, returns the real rows' full-vocab fp32 logits (with `output="hidden"`: the final-norm hidden states [rows, H] bf16, what vLLM's `compute_logits` takes) |
 
 The step itself (`_forward`) is written once against an op table (`decode_ops.py`):
 `KernelOps` runs CuTe DSL kernels, `ReferenceOps` the reference functions on the same
@@ -20,7 +20,7 @@ tensors and metadata, so CPU tests check this file's plumbing exactly against
     h = AttnRes_final(blocks, prefix + m_last) fused with the final norm;  logits = Σ_ranks-gather h·W_lmᵀ
 
 Buffers a replay writes outside the state (activations, logits) live in one graph memory
-pool shared by all buckets: the logits a call returns are valid until the next call.
+pool shared by all buckets: the output a call returns is valid until the next call.
 """
 
 from __future__ import annotations
@@ -42,6 +42,9 @@ from ..reference.state import DecodeState, Segment
 from .buckets import bucket_for, pad_to_bucket
 from .decode_ops import DecodeOps, KernelOps, ReferenceOps
 from .deployment import StepFacts
+
+
+OUTPUTS = ("logits", "hidden")  # what a step returns: vLLM's model forward returns the hidden states
 
 
 class ExecutorError(RuntimeError):
@@ -142,7 +145,7 @@ class SpecializedDecode:
 
     def __init__(self, model: ReferenceModel, *, max_requests: int, max_len: int,
                  buckets: Sequence[tuple[int, int]], ops: DecodeOps | None = None, graphs: bool | None = None,
-                 block_size: int = 64, log: Callable[[str], None] | None = None):
+                 block_size: int = 64, output: str = "logits", log: Callable[[str], None] | None = None):
         self.model, self.cfg, self.shard, self.coll = model, model.cfg, model.shard, model.coll
         self.w = model.w
         device = self.w.embed.device
@@ -150,6 +153,10 @@ class SpecializedDecode:
         self.graphs = device.type == "cuda" if graphs is None else graphs
         if self.graphs and device.type != "cuda":
             raise ExecutorError("CUDA graphs need the weights on a CUDA device; pass graphs=False on CPU")
+        if output not in OUTPUTS:
+            raise ExecutorError(f"output must be one of {', '.join(map(repr, OUTPUTS))}, got {output!r}: 'logits' "
+                                "for full-vocab fp32 logits, 'hidden' for the final-norm hidden states")
+        self.output = output
         self.buckets = sorted(set((int(r), int(q)) for r, q in buckets))
         bad = [(r, q) for r, q in self.buckets if not (1 <= q <= 8 and r >= q and r % q == 0)]
         if not self.buckets or bad:
@@ -221,7 +228,8 @@ class SpecializedDecode:
         return None if rows is None else (rows, q)
 
     def __call__(self, ids: torch.Tensor, segments: list[Segment], state: DecodeState) -> torch.Tensor:
-        """Full-vocab fp32 logits [rows, V] of a pure decode step; commits it to the state."""
+        """Full-vocab fp32 logits [rows, V] (or hidden states [rows, H], `output`) of a pure decode
+        step; commits it to the state."""
         if state is not self.state:
             raise ExecutorError("the executor serves only the DecodeState it owns (executor.state); "
                                 "allocate the requests there")
@@ -291,6 +299,8 @@ class SpecializedDecode:
             m = self._moe(self.moe[i], v) if i in self.moe else self._dense(lw.mlp, v)
         h = ops.attn_res(blocks, n_blocks, partial, w.out_res_norm, w.out_res_proj, eps, addend=m,
                          final_norm=w.final_norm)
+        if self.output == "hidden":
+            return h
         return ops.logits_scale(coll.all_gather(ops.linear(h, w.lm_head), dim=-1), cfg.logit_scale)
 
     def _kda(self, i: int, w: KDAWeights, u: torch.Tensor, meta: StepMeta) -> torch.Tensor:

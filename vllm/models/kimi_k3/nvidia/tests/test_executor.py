@@ -75,6 +75,23 @@ def test_step_equals_reference_bit_for_bit(model, n_req, q, padded):
                 ref.accept(r, k)
 
 
+def test_hidden_output_is_what_the_logits_are_computed_from(model):
+    """`output="hidden"` returns the final-norm hidden states (vLLM's forward output): the model's
+    own lm_head on them gives the logits the default executor returns for the same step."""
+    with pytest.raises(ExecutorError, match="output must be one of 'logits', 'hidden'"):
+        _executor(model, output="probs")
+    hid, log = _executor(model, output="hidden"), _executor(model)
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    slots = prefill(model, hid.state, prompts)
+    assert prefill(model, log.state, prompts) == slots
+    ids = torch.tensor([7, 8])
+    h = hid(ids, [hid.state.segment(r, j, 1, prefill=False) for j, r in enumerate(slots)], hid.state)
+    logits = log(ids, [log.state.segment(r, j, 1, prefill=False) for j, r in enumerate(slots)], log.state)
+    assert h.shape == (2, model.cfg.hidden_size) and h.dtype == torch.bfloat16
+    assert torch.equal(model.logits(h), logits)
+    _same_state(hid.state, log.state)
+
+
 def test_padding_rows_write_only_the_null_slot(model):
     """Three requests run in bucket 4: the padding request may write only slot 0 and block 0."""
     ex = _executor(model)
