@@ -2,9 +2,9 @@
 
 | stage | what happens |
 | --- | --- |
-| build | owns the `DecodeState` it serves (KDA pools, MLA cache; slot 0 / block 0 are the null slot and block); each MoE layer's weights as the op table takes them (`prepare_moe`: `KernelOps` zero-pads a model smaller than K3 to the MoE kernels' granularity, `moe_padding.py`); per bucket: static `StepMeta` buffers set to all-padding, one eager warm-up step (compiles every kernel of the step, allocates kernel scratch; touches only the null slot and block), then one capture; reports seconds and graph memory |
+| build | owns the `DecodeState` it serves (KDA pools, MLA cache; slot 0 / block 0 are the null slot and block), allocated or over adopted `pools` (vLLM's, whose slots are pages apart); each MoE layer's weights as the op table takes them (`prepare_moe`: `KernelOps` zero-pads a model smaller than K3 to the MoE kernels' granularity, `moe_padding.py`); per bucket: static `StepMeta` buffers set to all-padding, one eager warm-up step (compiles every kernel of the step, allocates kernel scratch; touches only the null slot and block), then one capture; reports seconds and graph memory |
 | `plan(facts)` | the bucket for the step's rows and tokens per request, or None (the dispatcher then runs the standard path) |
-| `__call__(ids, segments, state)` | pads the step to its bucket with dummy requests on the null slot (`buckets.pad_to_bucket`), writes ids and slots into the bucket's `StepMeta` in place, replays the graph (eager where graphs are off), commits the segments to the state, returns the real rows' full-vocab fp32 logits (with `output="hidden"`: the final-norm hidden states [rows, H] bf16, what vLLM's `compute_logits` takes) |
+| `__call__(ids, segments, state)` | pads the step to its bucket with dummy requests on the null slot (`buckets.pad_to_bucket`), writes ids and slots into the bucket's `StepMeta` in place, replays the graph (eager where graphs are off), commits the segments to the state, returns the real rows' full-vocab fp32 logits (with `output="hidden"`: the hidden states [rows, H] bf16 before the final norm, what vLLM's `compute_logits` takes) |
 
 The step itself (`_forward`) is written once against an op table (`decode_ops.py`):
 `KernelOps` runs CuTe DSL kernels, `ReferenceOps` the reference functions on the same
@@ -38,7 +38,7 @@ from ..reference.mla import split_kv_b
 from ..reference.model import ReferenceModel
 from ..reference.ops import F32
 from ..reference.params import DenseMLPWeights, KDAWeights, MoEWeights
-from ..reference.state import DecodeState, Segment
+from ..reference.state import DecodeState, KDALayerState, MLALayerState, Segment
 from .buckets import bucket_for, pad_to_bucket
 from .decode_ops import DecodeOps, KernelOps, ReferenceOps
 from .deployment import StepFacts
@@ -145,7 +145,9 @@ class SpecializedDecode:
 
     def __init__(self, model: ReferenceModel, *, max_requests: int, max_len: int,
                  buckets: Sequence[tuple[int, int]], ops: DecodeOps | None = None, graphs: bool | None = None,
-                 block_size: int = 64, output: str = "logits", log: Callable[[str], None] | None = None):
+                 block_size: int = 64, output: str = "logits",
+                 pools: tuple[dict[int, KDALayerState], dict[int, MLALayerState]] | None = None,
+                 log: Callable[[str], None] | None = None):
         self.model, self.cfg, self.shard, self.coll = model, model.cfg, model.shard, model.coll
         self.w = model.w
         device = self.w.embed.device
@@ -155,7 +157,7 @@ class SpecializedDecode:
             raise ExecutorError("CUDA graphs need the weights on a CUDA device; pass graphs=False on CPU")
         if output not in OUTPUTS:
             raise ExecutorError(f"output must be one of {', '.join(map(repr, OUTPUTS))}, got {output!r}: 'logits' "
-                                "for full-vocab fp32 logits, 'hidden' for the final-norm hidden states")
+                                "for full-vocab fp32 logits, 'hidden' for the hidden states before the final norm")
         self.output = output
         self.buckets = sorted(set((int(r), int(q)) for r, q in buckets))
         bad = [(r, q) for r, q in self.buckets if not (1 <= q <= 8 and r >= q and r % q == 0)]
@@ -167,7 +169,7 @@ class SpecializedDecode:
             raise ExecutorError(f"block_size {block_size} is below the largest bucket's {max(self.buckets)[0]} rows: "
                                 "each padding row writes its own row of the null block 0, so raise block_size")
         self.state = DecodeState(self.cfg, self.shard, max_requests=max_requests, max_len=max_len, max_q=max_q,
-                                 block_size=block_size, device=device)
+                                 block_size=block_size, device=device, pools=pools)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         d_n = self.cfg.qk_nope_head_dim
         self.tau = 1.0 / math.sqrt(d_n + self.cfg.qk_rope_head_dim)
@@ -297,10 +299,10 @@ class SpecializedDecode:
                 v = ops.attn_res(blocks, n_blocks, partial, ar.mlp_norm, ar.mlp_proj, eps, addend=a,
                                  live_out=partial, out_w=ar.post_norm)
             m = self._moe(self.moe[i], v) if i in self.moe else self._dense(lw.mlp, v)
+        if self.output == "hidden":  # vLLM's compute_logits applies the final norm itself
+            return ops.attn_res(blocks, n_blocks, partial, w.out_res_norm, w.out_res_proj, eps, addend=m)
         h = ops.attn_res(blocks, n_blocks, partial, w.out_res_norm, w.out_res_proj, eps, addend=m,
                          final_norm=w.final_norm)
-        if self.output == "hidden":
-            return h
         return ops.logits_scale(coll.all_gather(ops.linear(h, w.lm_head), dim=-1), cfg.logit_scale)
 
     def _kda(self, i: int, w: KDAWeights, u: torch.Tensor, meta: StepMeta) -> torch.Tensor:
