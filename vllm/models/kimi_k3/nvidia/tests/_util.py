@@ -13,6 +13,7 @@ from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import ReferenceO
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.latency_specialized.weights import RandomSource, load_rank
 from vllm.models.kimi_k3.nvidia.reference.model import ReferenceModel
+from vllm.models.kimi_k3.nvidia.reference.state import DecodeState, KDALayerState, MLALayerState
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -123,3 +124,22 @@ REQUIRE_VLLM = os.environ.get("K3_REQUIRE_VLLM") == "1"
 needs_vllm = pytest.mark.skipif(
     not (REQUIRE_VLLM or _vllm_importable()),
     reason="needs vLLM (import vllm.config failed); the optional job .ci/vllm_cpu_job.sh runs it")
+
+
+def paged_pools(state: DecodeState, gap: int = 64):
+    """`state`'s KDA pools rebuilt as vLLM 0.33.0 holds them: per layer one buffer of pages, a page per
+    slot holding the conv window then the recurrent state, `gap` NaN elements more (their values
+    copied from `state`). Returns ((kda, mla) pools for an executor, the page buffers)."""
+    kda, pages = {}, []
+    for i, st in state.kda.items():
+        slots = max(st.rec.shape[0], st.conv.shape[0])
+        conv_f32 = -(-st.conv[0].numel() // 8) * 4  # the conv window, in fp32 elements, 16-byte rounded
+        page = conv_f32 + st.rec[0].numel() + gap
+        buf = torch.full((slots * page,), float("nan"))
+        conv = torch.as_strided(buf.view(torch.bfloat16), st.conv.shape, (2 * page, *st.conv.stride()[1:]))
+        rec = torch.as_strided(buf, st.rec.shape, (page, *st.rec.stride()[1:]), conv_f32)
+        conv.copy_(st.conv)
+        rec.copy_(st.rec)
+        kda[i] = KDALayerState(rec=rec, conv=conv)
+        pages.append((buf, rec, conv))
+    return (kda, {i: MLALayerState(st.cache.clone()) for i, st in state.mla.items()}), pages

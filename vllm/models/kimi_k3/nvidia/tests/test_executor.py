@@ -14,9 +14,9 @@ from vllm.models.kimi_k3.nvidia.latency_specialized.moe_padding import pad_moe
 from vllm.models.kimi_k3.nvidia.latency_specialized.sampler import SamplingParams
 from vllm.models.kimi_k3.nvidia.reference.collective import ThreadGroup
 from vllm.models.kimi_k3.nvidia.reference.ops import rms_norm
-from vllm.models.kimi_k3.nvidia.reference.state import DecodeState, KDALayerState, MLALayerState, StateError
+from vllm.models.kimi_k3.nvidia.reference.state import KDALayerState, StateError
 
-from ._util import executor_rank_steps, mini_model, prefill
+from ._util import executor_rank_steps, mini_model, paged_pools, prefill
 
 BUCKETS = [(1, 1), (2, 1), (4, 1), (8, 1), (8, 2), (16, 8)]
 
@@ -95,32 +95,13 @@ def test_hidden_output_is_what_the_logits_are_computed_from(model):
     _same_state(hid.state, log.state)
 
 
-def _paged_pools(state: DecodeState, gap: int = 64):
-    """`state`'s KDA pools rebuilt as vLLM 0.33.0 holds them: per layer one buffer of pages, a page per
-    slot holding the conv window then the recurrent state, `gap` NaN elements more (their values
-    copied from `state`). Returns ((kda, mla) pools for an executor, the page buffers)."""
-    kda, pages = {}, []
-    for i, st in state.kda.items():
-        slots = max(st.rec.shape[0], st.conv.shape[0])
-        conv_f32 = -(-st.conv[0].numel() // 8) * 4  # the conv window, in fp32 elements, 16-byte rounded
-        page = conv_f32 + st.rec[0].numel() + gap
-        buf = torch.full((slots * page,), float("nan"))
-        conv = torch.as_strided(buf.view(torch.bfloat16), st.conv.shape, (2 * page, *st.conv.stride()[1:]))
-        rec = torch.as_strided(buf, st.rec.shape, (page, *st.rec.stride()[1:]), conv_f32)
-        conv.copy_(st.conv)
-        rec.copy_(st.rec)
-        kda[i] = KDALayerState(rec=rec, conv=conv)
-        pages.append((buf, rec, conv))
-    return (kda, {i: MLALayerState(st.cache.clone()) for i, st in state.mla.items()}), pages
-
-
 def test_adopted_page_strided_pools_serve_like_own_ones(model):
     """The executor over vLLM-style pools (`pools=`: KDA slots a page apart, conv and recurrent state in
     one page) gives the logits and states of the executor over its own pools, bit for bit, and
     writes nothing between the views."""
     own = _executor(model)
     slots = prefill(model, own.state, [[1, 2, 3, 4, 5], [6, 7, 8]])
-    pools, pages = _paged_pools(own.state)
+    pools, pages = paged_pools(own.state)
     paged = _executor(model, pools=pools)
     assert all(st.rec.stride(0) > st.rec[0].numel() for st in paged.state.kda.values())
     for r in slots:  # the same requests, already prefilled: the pools were copied
@@ -139,9 +120,13 @@ def test_adopted_page_strided_pools_serve_like_own_ones(model):
         torch.as_strided(halves, conv.shape, conv.stride(), conv.storage_offset()).fill_(True)
         inside |= halves.view(-1, 2).any(dim=1)
         assert torch.isnan(buf[~inside]).all() and not torch.isnan(buf[inside]).any()
-    with pytest.raises(StateError, match=r"pools: layer \d+ rec must be a \[>= \d+, "):
-        bad = ({i: KDALayerState(st.rec[:2], st.conv) for i, st in pools[0].items()}, pools[1])
-        _executor(model, pools=bad)
+    with pytest.raises(StateError, match=r"pools: layer \d+ conv must be a \[slots, 10, 384\] bfloat16 .* got \[5, 3, 384\]"):
+        _executor(model, pools=({i: KDALayerState(st.rec, st.conv[:, :3]) for i, st in pools[0].items()}, pools[1]))
+    # pools smaller than our slot rule: addressed only by their owner's metadata, never by segments
+    small = _executor(model, pools=({i: KDALayerState(st.rec[:2], st.conv) for i, st in pools[0].items()}, pools[1]))
+    for use in (small.state.allocate, lambda: small.state.segment(0, 0, 1, prefill=False)):
+        with pytest.raises(StateError, match="their owner's metadata addresses them"):
+            use()
 
 
 def test_padding_rows_write_only_the_null_slot(model):

@@ -1,0 +1,64 @@
+"""vLLM 0.33.0's per-layer decode state as the executor's pools (issue 13's binding).
+
+vLLM binds each attention layer's cache to the layer's module in the static forward context
+(`vllm_config.compilation_config.static_forward_context[prefix].kv_cache[0]`, one entry per
+virtual engine) before it warms up and captures its graphs. `pools_from_forward_context` reads
+them into the `(kda, mla)` pools that `SpecializedDecode(pools=...)` adopts, no copy:
+
+| layer | vLLM's `kv_cache[0]` | pool |
+| --- | --- | --- |
+| KDA | `(conv [blocks, 3 + num_spec, 3P] bf16, recurrent [blocks, h, 128, 128] fp32)`, views into one page per block | `KDALayerState(rec=recurrent, conv=conv)` |
+| MLA | `[blocks, block_size, 576]` bf16 | `MLALayerState(cache)` |
+
+The layer index comes from the `model.layers.<i>.` part of the module's prefix (MTP layers sit
+elsewhere or past the decoder's count, and are skipped); what each pool must look like
+(shapes, dtypes, a contiguous slot) is `DecodeState`'s to check when it adopts them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ..reference.state import KDALayerState, MLALayerState
+from .config import K3TextConfig
+
+LAYER_INDEX = re.compile(r"(?:^|\.)model\.layers\.(\d+)\.")  # the decoder, also inside a multimodal wrapper
+
+
+class PoolsError(RuntimeError):
+    """vLLM's caches are not (yet) what the executor can adopt."""
+
+
+def pools_from_forward_context(static_forward_context: Mapping[str, Any], cfg: K3TextConfig
+                               ) -> tuple[dict[int, KDALayerState], dict[int, MLALayerState]]:
+    """The `(kda, mla)` pools of every decoder layer, as views of the caches vLLM bound."""
+    kda: dict[int, KDALayerState] = {}
+    mla: dict[int, MLALayerState] = {}
+    for prefix, module in static_forward_context.items():
+        found = LAYER_INDEX.search(prefix)
+        if found is None or int(found.group(1)) >= cfg.num_hidden_layers:
+            continue
+        i, caches = int(found.group(1)), getattr(module, "kv_cache", None)
+        if not caches:
+            raise PoolsError(f"{prefix}: vLLM has bound no cache to this layer yet; build the executor after "
+                             "vLLM allocated its KV cache (its first warm-up forward), not before")
+        cache = caches[0]
+        if cfg.layer_kind(i) == "kda":
+            if not (isinstance(cache, (list, tuple)) and len(cache) == 2):
+                raise PoolsError(f"{prefix}: a KDA layer's cache must be (conv state, recurrent state), got "
+                                 f"{type(cache).__name__}")
+            conv, rec = cache
+            kda[i] = KDALayerState(rec=rec, conv=conv)
+        elif isinstance(cache, torch.Tensor):
+            mla[i] = MLALayerState(cache=cache)
+        else:
+            raise PoolsError(f"{prefix}: an MLA layer's cache must be one tensor, got {type(cache).__name__}")
+    missing = [i for i in range(cfg.num_hidden_layers) if i not in kda and i not in mla]
+    if missing:
+        raise PoolsError(f"no cache for decoder layer(s) {missing} in vLLM's forward context "
+                         f"({len(static_forward_context)} entries); is this Kimi K3's text model?")
+    return kda, mla
