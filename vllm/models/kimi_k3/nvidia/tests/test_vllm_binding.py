@@ -9,6 +9,7 @@ from __future__ import annotations
 import random
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
@@ -21,9 +22,10 @@ from ._util import mini_model, paged_pools, prefill
 BLOCK, MAX_LEN, REQUESTS, VLLM_BLOCKS = 16, 64, 2, 24
 
 
-def _vllm_caches(model):
+def _vllm_caches(model, q: int):
     """vLLM-style caches for `model` (VLLM_BLOCKS blocks, NaN-filled), as its static forward context."""
-    blank = DecodeState(model.cfg, model.shard, max_requests=VLLM_BLOCKS - 1, max_len=BLOCK, block_size=BLOCK)
+    blank = DecodeState(model.cfg, model.shard, max_requests=VLLM_BLOCKS - 1, max_len=BLOCK, max_q=q,
+                        block_size=BLOCK)
     (kda, mla), _ = paged_pools(blank)
     for st in kda.values():
         st.rec.fill_(float("nan"))
@@ -35,46 +37,54 @@ def _vllm_caches(model):
     return ctx, kda, mla
 
 
-def test_a_decode_step_on_vllms_pools_and_metadata_equals_ours():
-    model, rng = mini_model(seed=0), random.Random(0)
-    kw = {"max_requests": REQUESTS, "max_len": MAX_LEN, "buckets": [(REQUESTS, 1)], "graphs": False,
+@pytest.mark.parametrize("q", [1, 3])
+def test_a_decode_step_on_vllms_pools_and_metadata_equals_ours(q):
+    """q = 1: a plain decode step; q = 3: a verify step (vLLM: spec_state_indices [B, q], the state
+    after token t into column t, the conv window in the first column's page)."""
+    model, rng = mini_model(seed=0), random.Random(q)
+    key = (REQUESTS * q, q)
+    kw = {"max_requests": REQUESTS, "max_len": MAX_LEN, "buckets": [key], "graphs": False,
           "block_size": BLOCK, "output": "hidden", "log": lambda _: None}
     own = SpecializedDecode(model, **kw)
     slots = prefill(model, own.state, [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [19, 20, 21]])
-    ctx, kda, mla = _vllm_caches(model)
+    ctx, kda, mla = _vllm_caches(model, q)
     vllm_ex = SpecializedDecode(model, **kw, pools=pools_from_forward_context(ctx, model.cfg))
 
     # place each request where vLLM would: its state in one block's page, its tokens in its own blocks
     free = rng.sample(range(1, VLLM_BLOCKS), VLLM_BLOCKS - 1)
     bpr = vllm_ex.state.blocks_per_req
-    state_block = [free.pop() for _ in slots]
-    tables = [[free.pop() for _ in range(-(-(own.state.seq_lens[r] + 1) // BLOCK))] for r in slots]
+    state_blocks = [[free.pop() for _ in range(q)] for _ in slots]
+    tables = [[free.pop() for _ in range(-(-(own.state.seq_lens[r] + q) // BLOCK))] for r in slots]
     for b, r in enumerate(slots):
-        for i, st in kda.items():
-            st.conv[state_block[b]] = own.state.kda[i].conv[own.state.conv_slot(r)]
-            st.rec[state_block[b]] = own.state.kda[i].rec[own.state.rec_slot(r, 0)]
+        for i, st in kda.items():  # after a prefill the state is in the first slot (accepted = 1)
+            st.conv[state_blocks[b][0]] = own.state.kda[i].conv[own.state.conv_slot(r)]
+            st.rec[state_blocks[b][0]] = own.state.kda[i].rec[own.state.rec_slot(r, 0)]
         for p in range(own.state.seq_lens[r]):
             for i, st in mla.items():
                 st.cache[tables[b][p // BLOCK], p % BLOCK] = own.state.mla[i].cache[own.state.block_table[r, p // BLOCK],
                                                                                    p % BLOCK]
-    ids = torch.tensor([33, 44])
+    ids = torch.tensor([33, 44, 55, 66, 77, 88][:REQUESTS * q])
     pos = [own.state.seq_lens[r] for r in slots]
-    want = own(ids, [own.state.segment(r, b, 1, prefill=False) for b, r in enumerate(slots)], own.state)
+    want = own(ids, [own.state.segment(r, b * q, q, prefill=False) for b, r in enumerate(slots)], own.state)
 
     step = VllmDecodeStep(
-        input_ids=ids, state_indices=torch.tensor(state_block, dtype=torch.int32), num_accepted=None,
+        input_ids=ids, state_indices=torch.tensor([sb[0] for sb in state_blocks] if q == 1 else state_blocks,
+                                                  dtype=torch.int32),
+        num_accepted=None if q == 1 else torch.ones(REQUESTS, dtype=torch.int32),
         block_table=torch.tensor([t + [0] * (bpr - len(t)) for t in tables], dtype=torch.int32),
-        seq_lens=torch.tensor([p + 1 for p in pos], dtype=torch.int32),
-        slot_mapping=torch.tensor([tables[b][p // BLOCK] * BLOCK + p % BLOCK for b, p in enumerate(pos)]))
-    fill_step_meta(vllm_ex.meta[(REQUESTS, 1)], step)
-    got = vllm_ex.replay((REQUESTS, 1))[:REQUESTS]
+        seq_lens=torch.tensor([p + q for p in pos], dtype=torch.int32),
+        slot_mapping=torch.tensor([tables[b][t // BLOCK] * BLOCK + t % BLOCK
+                                   for b, p in enumerate(pos) for t in range(p, p + q)]))
+    fill_step_meta(vllm_ex.meta[key], step)
+    got = vllm_ex.replay(key)[:REQUESTS * q]
 
-    assert got.shape == (REQUESTS, model.cfg.hidden_size) and torch.equal(got, want)
+    assert got.shape == (REQUESTS * q, model.cfg.hidden_size) and torch.equal(got, want)
     for b, r in enumerate(slots):  # the state the step wrote, where each side keeps it
         for i, st in kda.items():
-            assert torch.equal(st.conv[state_block[b]], own.state.kda[i].conv[own.state.conv_slot(r)])
-            assert torch.equal(st.rec[state_block[b]], own.state.kda[i].rec[own.state.rec_slot(r, 0)])
+            assert torch.equal(st.conv[state_blocks[b][0]], own.state.kda[i].conv[own.state.conv_slot(r)])
+            for t in range(q):
+                assert torch.equal(st.rec[state_blocks[b][t]], own.state.kda[i].rec[own.state.rec_slot(r, t)])
         for i, st in mla.items():
-            p = pos[b]
-            assert torch.equal(st.cache[tables[b][p // BLOCK], p % BLOCK],
-                               own.state.mla[i].cache[own.state.block_table[r, p // BLOCK], p % BLOCK])
+            for t in range(pos[b], pos[b] + q):
+                assert torch.equal(st.cache[tables[b][t // BLOCK], t % BLOCK],
+                                   own.state.mla[i].cache[own.state.block_table[r, t // BLOCK], t % BLOCK])
