@@ -33,20 +33,31 @@ class PoolsError(RuntimeError):
     """vLLM's caches are not (yet) what the executor can adopt."""
 
 
+def _layer_caches(static_forward_context: Mapping[str, Any], cfg: K3TextConfig) -> dict[int, tuple[str, Any]]:
+    """Decoder layer index -> (module prefix, its bound cache) for every decoder layer."""
+    found: dict[int, tuple[str, Any]] = {}
+    for prefix, module in static_forward_context.items():
+        match = LAYER_INDEX.search(prefix)
+        if match is None or int(match.group(1)) >= cfg.num_hidden_layers:
+            continue
+        caches = getattr(module, "kv_cache", None)
+        if not caches:
+            raise PoolsError(f"{prefix}: vLLM has bound no cache to this layer yet; build the executor after "
+                             "vLLM allocated its KV cache (its first warm-up forward), not before")
+        found[int(match.group(1))] = (prefix, caches[0])
+    missing = [i for i in range(cfg.num_hidden_layers) if i not in found]
+    if missing:
+        raise PoolsError(f"no cache for decoder layer(s) {missing} in vLLM's forward context "
+                         f"({len(static_forward_context)} entries); is this Kimi K3's text model?")
+    return found
+
+
 def pools_from_forward_context(static_forward_context: Mapping[str, Any], cfg: K3TextConfig
                                ) -> tuple[dict[int, KDALayerState], dict[int, MLALayerState]]:
     """The `(kda, mla)` pools of every decoder layer, as views of the caches vLLM bound."""
     kda: dict[int, KDALayerState] = {}
     mla: dict[int, MLALayerState] = {}
-    for prefix, module in static_forward_context.items():
-        found = LAYER_INDEX.search(prefix)
-        if found is None or int(found.group(1)) >= cfg.num_hidden_layers:
-            continue
-        i, caches = int(found.group(1)), getattr(module, "kv_cache", None)
-        if not caches:
-            raise PoolsError(f"{prefix}: vLLM has bound no cache to this layer yet; build the executor after "
-                             "vLLM allocated its KV cache (its first warm-up forward), not before")
-        cache = caches[0]
+    for i, (prefix, cache) in _layer_caches(static_forward_context, cfg).items():
         if cfg.layer_kind(i) == "kda":
             if not (isinstance(cache, (list, tuple)) and len(cache) == 2):
                 raise PoolsError(f"{prefix}: a KDA layer's cache must be (conv state, recurrent state), got "
@@ -57,8 +68,13 @@ def pools_from_forward_context(static_forward_context: Mapping[str, Any], cfg: K
             mla[i] = MLALayerState(cache=cache)
         else:
             raise PoolsError(f"{prefix}: an MLA layer's cache must be one tensor, got {type(cache).__name__}")
-    missing = [i for i in range(cfg.num_hidden_layers) if i not in kda and i not in mla]
-    if missing:
-        raise PoolsError(f"no cache for decoder layer(s) {missing} in vLLM's forward context "
-                         f"({len(static_forward_context)} entries); is this Kimi K3's text model?")
+    return kda, mla
+
+
+def metadata_layers(static_forward_context: Mapping[str, Any], cfg: K3TextConfig) -> tuple[str, str]:
+    """The prefixes of the first KDA and the first MLA layer: the keys of `attn_metadata` that
+    `vllm_step` reads a step from (every layer of a kind carries the same step metadata)."""
+    layers = _layer_caches(static_forward_context, cfg)
+    kda = next(prefix for i, (prefix, _) in sorted(layers.items()) if cfg.layer_kind(i) == "kda")
+    mla = next(prefix for i, (prefix, _) in sorted(layers.items()) if cfg.layer_kind(i) != "kda")
     return kda, mla

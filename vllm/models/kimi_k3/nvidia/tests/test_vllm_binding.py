@@ -1,8 +1,8 @@
-"""The executor inside vLLM, short of vLLM itself (issue 13), on the CPU with the reference ops: over
-pools laid out as vLLM 0.33.0 holds them (`vllm_pools`: a request's conv and recurrent state in
-the page of one block, the latent cache in blocks of its block table) and with the step described
-by vLLM's metadata (`vllm_step`), a decode step gives the hidden states and writes the state that
-our own executor gives and writes for the same requests on its own pools."""
+"""The executor inside vLLM, short of vLLM itself (issue 13), on the CPU with the reference ops:
+`VllmExecutor` over caches laid out as vLLM 0.33.0 holds them (`vllm_pools`: a request's conv and
+recurrent state in the page of one block, the latent cache in blocks of its block table), run
+from a step as vLLM's metadata holds it (`vllm_step`), gives the hidden states and writes the
+state that our own executor gives and writes for the same requests on its own pools."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import pytest
 import torch
 
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
-from vllm.models.kimi_k3.nvidia.latency_specialized.vllm_pools import pools_from_forward_context
-from vllm.models.kimi_k3.nvidia.latency_specialized.vllm_step import VllmDecodeStep, fill_step_meta
+from vllm.models.kimi_k3.nvidia.latency_specialized.vllm_executor import VllmExecutor, buckets_for
 from vllm.models.kimi_k3.nvidia.reference.state import DecodeState
 
 from ._util import mini_model, paged_pools, prefill
@@ -48,11 +47,13 @@ def test_a_decode_step_on_vllms_pools_and_metadata_equals_ours(q):
     own = SpecializedDecode(model, **kw)
     slots = prefill(model, own.state, [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [19, 20, 21]])
     ctx, kda, mla = _vllm_caches(model, q)
-    vllm_ex = SpecializedDecode(model, **kw, pools=pools_from_forward_context(ctx, model.cfg))
+    vex = VllmExecutor.build(model, ctx, max_model_len=MAX_LEN, block_size=BLOCK, rows=[REQUESTS * q],
+                             verify_tokens=q, log=lambda _: None)
+    assert (vex.kda_layer, vex.mla_layer) == ("model.layers.0.self_attn", "model.layers.2.self_attn.attn")
 
     # place each request where vLLM would: its state in one block's page, its tokens in its own blocks
     free = rng.sample(range(1, VLLM_BLOCKS), VLLM_BLOCKS - 1)
-    bpr = vllm_ex.state.blocks_per_req
+    bpr = vex.executor.state.blocks_per_req
     state_blocks = [[free.pop() for _ in range(q)] for _ in slots]
     tables = [[free.pop() for _ in range(-(-(own.state.seq_lens[r] + q) // BLOCK))] for r in slots]
     for b, r in enumerate(slots):
@@ -67,16 +68,17 @@ def test_a_decode_step_on_vllms_pools_and_metadata_equals_ours(q):
     pos = [own.state.seq_lens[r] for r in slots]
     want = own(ids, [own.state.segment(r, b * q, q, prefill=False) for b, r in enumerate(slots)], own.state)
 
-    step = VllmDecodeStep(
-        input_ids=ids, state_indices=torch.tensor([sb[0] for sb in state_blocks] if q == 1 else state_blocks,
-                                                  dtype=torch.int32),
-        num_accepted=None if q == 1 else torch.ones(REQUESTS, dtype=torch.int32),
-        block_table=torch.tensor([t + [0] * (bpr - len(t)) for t in tables], dtype=torch.int32),
-        seq_lens=torch.tensor([p + q for p in pos], dtype=torch.int32),
+    # the step as vLLM's metadata holds it, keyed by layer prefix (vLLM 0.33.0's GDN and MLA metadata)
+    states = torch.tensor(state_blocks, dtype=torch.int32)
+    kda_md = SimpleNamespace(num_decodes=REQUESTS if q == 1 else 0, num_spec_decodes=0 if q == 1 else REQUESTS,
+                             non_spec_state_indices_tensor=states[:, 0], spec_state_indices_tensor=states,
+                             num_accepted_tokens=torch.ones(REQUESTS, dtype=torch.int32))
+    mla_md = SimpleNamespace(
+        decode=SimpleNamespace(block_table=torch.tensor([t + [0] * (bpr - len(t)) for t in tables], dtype=torch.int32),
+                               seq_lens=torch.tensor([p + q for p in pos], dtype=torch.int32)),
         slot_mapping=torch.tensor([tables[b][t // BLOCK] * BLOCK + t % BLOCK
                                    for b, p in enumerate(pos) for t in range(p, p + q)]))
-    fill_step_meta(vllm_ex.meta[key], step)
-    got = vllm_ex.replay(key)[:REQUESTS * q]
+    got = vex.run(key, {vex.kda_layer: kda_md, vex.mla_layer: mla_md}, ids, None, REQUESTS * q)
 
     assert got.shape == (REQUESTS * q, model.cfg.hidden_size) and torch.equal(got, want)
     for b, r in enumerate(slots):  # the state the step wrote, where each side keeps it
@@ -88,3 +90,8 @@ def test_a_decode_step_on_vllms_pools_and_metadata_equals_ours(q):
             for t in range(pos[b], pos[b] + q):
                 assert torch.equal(st.cache[tables[b][t // BLOCK], t % BLOCK],
                                    own.state.mla[i].cache[own.state.block_table[r, t // BLOCK], t % BLOCK])
+
+
+def test_buckets_cover_every_row_count_and_whole_verify_requests():
+    assert buckets_for([1, 2, 8, 64], 1) == [(1, 1), (2, 1), (8, 1), (64, 1)]
+    assert buckets_for([1, 4, 6, 8, 64], 4) == [(1, 1), (4, 1), (4, 4), (6, 1), (8, 1), (8, 4), (64, 1), (64, 4)]
