@@ -33,6 +33,10 @@ class PoolsError(RuntimeError):
     """vLLM's caches are not (yet) what the executor can adopt."""
 
 
+class CachesNotBound(PoolsError):
+    """vLLM has not bound its caches yet (its profiling run comes before it allocates them)."""
+
+
 def _layer_caches(static_forward_context: Mapping[str, Any], cfg: K3TextConfig) -> dict[int, tuple[str, Any]]:
     """Decoder layer index -> (module prefix, its bound cache) for every decoder layer."""
     found: dict[int, tuple[str, Any]] = {}
@@ -42,7 +46,7 @@ def _layer_caches(static_forward_context: Mapping[str, Any], cfg: K3TextConfig) 
             continue
         caches = getattr(module, "kv_cache", None)
         if not caches:
-            raise PoolsError(f"{prefix}: vLLM has bound no cache to this layer yet; build the executor after "
+            raise CachesNotBound(f"{prefix}: vLLM has bound no cache to this layer yet; build the executor after "
                              "vLLM allocated its KV cache (its first warm-up forward), not before")
         found[int(match.group(1))] = (prefix, caches[0])
     missing = [i for i in range(cfg.num_hidden_layers) if i not in found]

@@ -21,10 +21,10 @@ from ._util import mini_model, paged_pools, prefill
 BLOCK, MAX_LEN, REQUESTS, VLLM_BLOCKS = 16, 64, 2, 24
 
 
-def _vllm_caches(model, q: int):
+def _vllm_caches(model, q: int, block: int = BLOCK):
     """vLLM-style caches for `model` (VLLM_BLOCKS blocks, NaN-filled), as its static forward context."""
-    blank = DecodeState(model.cfg, model.shard, max_requests=VLLM_BLOCKS - 1, max_len=BLOCK, max_q=q,
-                        block_size=BLOCK)
+    blank = DecodeState(model.cfg, model.shard, max_requests=VLLM_BLOCKS - 1, max_len=block, max_q=q,
+                        block_size=block)
     (kda, mla), _ = paged_pools(blank)
     for st in kda.values():
         st.rec.fill_(float("nan"))
@@ -95,3 +95,76 @@ def test_a_decode_step_on_vllms_pools_and_metadata_equals_ours(q):
 def test_buckets_cover_every_row_count_and_whole_verify_requests():
     assert buckets_for([1, 2, 8, 64], 1) == [(1, 1), (2, 1), (8, 1), (64, 1)]
     assert buckets_for([1, 4, 6, 8, 64], 4) == [(1, 1), (4, 1), (4, 4), (6, 1), (8, 1), (8, 4), (64, 1), (64, 4)]
+
+
+def test_the_backend_builds_the_executor_once_caches_exist_and_serves_admitted_steps(monkeypatch, caplog):
+    """`VllmBackend` on an H200 deployment (described, since this machine has no GPU) with the mini
+    model's weights standing in for vLLM's: no executor while the caches are unbound (vLLM's
+    profiling run) or during a capture; built at the next warm-up forward; an admitted step in a
+    FULL capture then carries its bucket and `run` returns the executor's hidden states; a step
+    whose inputs arrive as embeddings falls back with its reason; TP 8 turns the backend off (no collectives
+    over vLLM's yet)."""
+    from vllm.models.kimi_k3.nvidia.latency_specialized import vllm_hook as hook
+    from vllm.models.kimi_k3.nvidia.latency_specialized.deployment import Deployment
+    from vllm.models.kimi_k3.nvidia.latency_specialized.options import BackendOptions
+
+    model = mini_model(seed=0)
+    monkeypatch.setattr(hook.Deployment, "detect",
+                        lambda **kw: Deployment.describe(gpu="H200", **{k: v for k, v in kw.items()
+                                                                        if k != "device"}))
+    block = 64  # the executor's buckets reach 64 rows: padding rows need that many rows of the null block
+    ctx, kda, mla = _vllm_caches(model, 1, block)
+    bound = {name: module.kv_cache for name, module in ctx.items()}
+    for module in ctx.values():
+        module.kv_cache = []  # vLLM's profiling run: nothing bound yet
+    config = SimpleNamespace(
+        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
+                                        enable_expert_parallel=False, decode_context_parallel_size=1),
+        cache_config=SimpleNamespace(cache_dtype="auto", block_size=block), lora_config=None, quant_config=None,
+        speculative_config=None,
+        compilation_config=SimpleNamespace(cudagraph_mode=SimpleNamespace(decode_mode=lambda: SimpleNamespace(
+            name="FULL")), static_forward_context=ctx),
+        model_config=SimpleNamespace(max_model_len=MAX_LEN, dtype=torch.bfloat16,
+                                     hf_config=SimpleNamespace(quantization_config=None),
+                                     hf_text_config=SimpleNamespace(to_dict=lambda: model.cfg.to_hf_dict())))
+    options = BackendOptions("latency_specialized", allow_unvalidated=True)
+    backend = hook.VllmBackend(config, options, tp=1, rank=0, kda_dtypes=(torch.bfloat16, torch.float32))
+    assert backend.router.enabled, backend.startup_line
+    backend._bound, backend.weights = True, model.w  # vLLM's loaded weights, bound (tested elsewhere)
+    md = {"model.layers.0.self_attn": SimpleNamespace(num_decodes=2, num_spec_decodes=0, num_prefills=0)}
+
+    route = backend.on_forward(None, 2, md, graph_mode="NONE", capturing=False)
+    assert backend.executor is None and route.reason == hook.NOT_FULL_GRAPH_REASON
+    for name, caches in bound.items():
+        ctx[name].kv_cache = caches
+    backend.on_forward(None, 2, md, graph_mode="FULL", capturing=True)
+    assert backend.executor is None  # never built inside a capture
+    backend.on_forward(None, 2, md, graph_mode="NONE", capturing=False)
+    assert backend.executor is not None and backend.router.dispatcher.executor is backend.executor.executor
+    assert backend.executor.executor.state.kda[0].rec is kda[0].rec  # vLLM's caches, adopted
+
+    route = backend.on_forward(None, 2, md, graph_mode="FULL", capturing=True)
+    assert route.path == "specialized" and route.plan == (2, 1)
+    embeds = backend.on_forward(None, 2, md, graph_mode="FULL", capturing=True, embeddings_in=True)
+    assert embeds.path == "standard" and embeds.reason == hook.EMBEDDINGS_REASON
+    slots = torch.tensor([3, 5], dtype=torch.int32)
+    for i, st in kda.items():
+        st.rec[slots.long()] = 0.0
+        st.conv[slots.long()] = 0.0
+    full_md = {"model.layers.0.self_attn": SimpleNamespace(
+        num_decodes=2, num_spec_decodes=0, non_spec_state_indices_tensor=slots, spec_state_indices_tensor=None,
+        num_accepted_tokens=None),
+        "model.layers.2.self_attn.attn": SimpleNamespace(
+            decode=SimpleNamespace(block_table=torch.tensor([[7], [9]], dtype=torch.int32),
+                                   seq_lens=torch.tensor([1, 1], dtype=torch.int32)),
+            slot_mapping=torch.tensor([7 * block, 9 * block]))}
+    hidden = backend.run(route, full_md, torch.tensor([11, 12]), None, 2)
+    assert hidden.shape == (2, model.cfg.hidden_size) and torch.isfinite(hidden).all()
+
+    monkeypatch.setattr(config.parallel_config, "tensor_parallel_size", 8)
+    tp8 = hook.VllmBackend(config, options, tp=8, rank=0, kda_dtypes=(torch.bfloat16, torch.float32))
+    assert tp8.router.enabled, tp8.startup_line
+    tp8._bound, tp8.weights = True, model.w
+    with caplog.at_level("WARNING"):
+        tp8.on_forward(None, 2, md, graph_mode="NONE", capturing=False)
+    assert not tp8.router.enabled and "tensor parallelism 8" in caplog.text
