@@ -2,7 +2,7 @@
 
 | stage | what happens |
 | --- | --- |
-| `build` | once, after vLLM bound its caches and before it captures a graph (a warm-up forward): the pools are vLLM's caches (`vllm_pools`), no copy; buckets (rows, 1) and, with speculative decoding, (rows, q) for the envelope's rows; no graphs of our own and hidden states out, since the step runs inside vLLM's FULL graph capture and vLLM's `compute_logits` applies the final norm |
+| `build` | once, after vLLM bound its caches and before it captures a graph (a warm-up forward): the pools are vLLM's caches (`vllm_pools`), no copy; the step starts from token ids or, as vLLM's multimodal runner passes them, embeddings; buckets (rows, 1) and, with speculative decoding, (rows, q) for the envelope's rows; no graphs of our own and hidden states out, since the step runs inside vLLM's FULL graph capture and vLLM's `compute_logits` applies the final norm |
 | `run(key, ...)` | one admitted step: `vllm_step` writes vLLM's metadata into the bucket's `StepMeta` with device ops only, the step's kernels run, the hidden states of vLLM's rows come back |
 
 Captured in vLLM's graph, both stages' device work replays on every later step of that size
@@ -39,19 +39,20 @@ class VllmExecutor:
 
     @classmethod
     def build(cls, model: ReferenceModel, static_forward_context: Mapping[str, Any], *, max_model_len: int,
-              block_size: int, rows: Sequence[int], verify_tokens: int, ops: DecodeOps | None = None,
-              log: Callable[[str], None] | None = None) -> VllmExecutor:
+              block_size: int, rows: Sequence[int], verify_tokens: int, inputs: str = "ids",
+              ops: DecodeOps | None = None, log: Callable[[str], None] | None = None) -> VllmExecutor:
         buckets = buckets_for(rows, verify_tokens)
         executor = SpecializedDecode(model, max_requests=max(r // q for r, q in buckets), max_len=max_model_len,
                                      buckets=buckets, ops=ops, graphs=False, block_size=block_size,
-                                     output="hidden", pools=pools_from_forward_context(static_forward_context,
+                                     output="hidden", inputs=inputs, pools=pools_from_forward_context(static_forward_context,
                                                                                        model.cfg), log=log)
         return cls(executor, *metadata_layers(static_forward_context, model.cfg))
 
-    def run(self, key: tuple[int, int], attn_metadata: Mapping[str, Any], input_ids: torch.Tensor,
-            slot_mapping: Mapping[str, torch.Tensor] | None, rows: int) -> torch.Tensor:
+    def run(self, key: tuple[int, int], attn_metadata: Mapping[str, Any], input_ids: torch.Tensor | None,
+            slot_mapping: Mapping[str, torch.Tensor] | None, rows: int,
+            inputs_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states [rows, H] (before the final norm) of one admitted step of bucket `key`."""
         step = VllmDecodeStep.from_forward_context(attn_metadata, self.kda_layer, self.mla_layer, input_ids,
-                                                   slot_mapping)
+                                                   slot_mapping, inputs_embeds)
         fill_step_meta(self.executor.meta[key], step)
         return self.executor.replay(key)[:rows]

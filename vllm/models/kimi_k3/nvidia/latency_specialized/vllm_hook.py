@@ -72,7 +72,7 @@ MODEL_CLASS = f"{__package__}.vllm_model:KimiK3LatencySpecializedForCausalLM"
 
 NO_METADATA_REASON = "no attention metadata (profiling or warm-up run)"
 NOT_FULL_GRAPH_REASON = "admitted, but outside a FULL CUDA graph (eager or PIECEWISE step)"
-EMBEDDINGS_REASON = "admitted, but the step's inputs arrive as embeddings (the executor starts from token ids)"
+INPUTS_REASON = "admitted, but the step's inputs (token ids or embeddings) are not those the executor was built for"
 VLLM_FEATURES_REASON = "vLLM features outside the backend"
 BINDING_REASON = "vLLM's loaded weights are not in the backend's layout"
 EXECUTOR_REASON = "the specialized executor could not be built over vLLM's caches"
@@ -245,12 +245,12 @@ class StepRouter:
         self.off_reason = reason
 
     def route(self, rows: int, attn_metadata: Any, *, graph_mode: str, capturing: bool,
-              embeddings_in: bool = False) -> Route:
-        route = self._decide(rows, attn_metadata, graph_mode, embeddings_in)
+              inputs_mismatch: bool = False) -> Route:
+        route = self._decide(rows, attn_metadata, graph_mode, inputs_mismatch)
         (self.captures if capturing else self.steps).record_route(route)
         return route
 
-    def _decide(self, rows: int, attn_metadata: Any, graph_mode: str, embeddings_in: bool) -> Route:
+    def _decide(self, rows: int, attn_metadata: Any, graph_mode: str, inputs_mismatch: bool) -> Route:
         if self.off_reason is not None:
             return Route(STANDARD, self.off_reason)
         assert self.dispatcher is not None
@@ -265,8 +265,8 @@ class StepRouter:
             # the specialized path is a replayed FULL graph; an eager or PIECEWISE run of
             # an admitted step has none to replay
             return Route(STANDARD, NOT_FULL_GRAPH_REASON)
-        if route.admitted and embeddings_in:
-            return Route(STANDARD, EMBEDDINGS_REASON)
+        if route.admitted and inputs_mismatch:
+            return Route(STANDARD, INPUTS_REASON)
         return route
 
     def summary(self) -> str:
@@ -351,8 +351,9 @@ class VllmBackend:
         self.log.info("Kimi K3 latency_specialized: vLLM's loaded weights bound as views "
                       "(no copies) for tensor-parallel rank %d of %d", self.rank, self.tp)
 
-    def prepare(self, capturing: bool) -> None:
-        """Build the executor over vLLM's caches once they are bound, outside any graph capture."""
+    def prepare(self, capturing: bool, embeddings_in: bool = False) -> None:
+        """Build the executor over vLLM's caches once they are bound, outside any graph capture; its
+        steps start from what this forward brings (token ids, or embeddings from a multimodal runner)."""
         if self.executor is not None or capturing or not self.router.enabled or self.weights is None:
             return
         assert self.cfg is not None and self.router.dispatcher is not None
@@ -365,7 +366,8 @@ class VllmBackend:
                     ReferenceModel(self.cfg, self.weights), self.vllm_config.compilation_config.static_forward_context,
                     max_model_len=self.router.max_context, block_size=self.vllm_config.cache_config.block_size,
                     rows=sorted(self.router.dispatcher.envelopes[0].rows_per_step),
-                    verify_tokens=self.router.verify_tokens, log=self.log.info)
+                    verify_tokens=self.router.verify_tokens, inputs="embeddings" if embeddings_in else "ids",
+                    log=self.log.info)
             except CachesNotBound:
                 return  # vLLM's profiling run: the caches come later
             except (PoolsError, ExecutorError, StateError, ValueError) as e:
@@ -381,19 +383,21 @@ class VllmBackend:
         self.log.info("Kimi K3 latency_specialized: the specialized executor runs admitted steps "
                       f"({self.executor.executor.report.line()})")
 
-    def run(self, route: Route, attn_metadata: Any, input_ids: Any, slot_mapping: Any, rows: int) -> Any:
+    def run(self, route: Route, attn_metadata: Any, input_ids: Any, slot_mapping: Any, rows: int,
+            inputs_embeds: Any = None) -> Any:
         """The hidden states of an admitted step (`route.plan` is its bucket) from our kernels."""
         assert self.executor is not None and route.plan is not None
-        return self.executor.run(route.plan, attn_metadata, input_ids, slot_mapping, rows)
+        return self.executor.run(route.plan, attn_metadata, input_ids, slot_mapping, rows, inputs_embeds)
 
     def on_forward(self, language_model: Any, rows: int, attn_metadata: Any, *,
                    graph_mode: str, capturing: bool, embeddings_in: bool = False) -> Route:
         """Route one forward pass; weights bind on the first (they are final by then), the
         executor is built on the first outside a capture once vLLM's caches exist."""
         self.bind(language_model)
-        self.prepare(capturing)
+        self.prepare(capturing, embeddings_in)
+        built_for = None if self.executor is None else self.executor.executor.inputs
         route = self.router.route(rows, attn_metadata, graph_mode=graph_mode, capturing=capturing,
-                                  embeddings_in=embeddings_in)
+                                  inputs_mismatch=built_for not in (None, "embeddings" if embeddings_in else "ids"))
         if not capturing:
             self.router.maybe_report()
         return route

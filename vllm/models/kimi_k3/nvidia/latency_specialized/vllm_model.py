@@ -58,5 +58,5 @@ class KimiK3LatencySpecializedForCausalLM(KimiLinearForCausalLM):
         )
         if route.plan is not None and context is not None:
             return self.latency_specialized.run(route, context.attn_metadata, input_ids,
-                                                getattr(context, "slot_mapping", None), rows)
+                                                getattr(context, "slot_mapping", None), rows, inputs_embeds)
         return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)

@@ -36,10 +36,11 @@ def _vllm_caches(model, q: int, block: int = BLOCK):
     return ctx, kda, mla
 
 
-@pytest.mark.parametrize("q", [1, 3])
-def test_a_decode_step_on_vllms_pools_and_metadata_equals_ours(q):
+@pytest.mark.parametrize("q, inputs", [(1, "ids"), (3, "ids"), (1, "embeddings"), (3, "embeddings")])
+def test_a_decode_step_on_vllms_pools_and_metadata_equals_ours(q, inputs):
     """q = 1: a plain decode step; q = 3: a verify step (vLLM: spec_state_indices [B, q], the state
-    after token t into column t, the conv window in the first column's page)."""
+    after token t into column t, the conv window in the first column's page); the step starting
+    from token ids, or from the embeddings vLLM's multimodal runner passes instead."""
     model, rng = mini_model(seed=0), random.Random(q)
     key = (REQUESTS * q, q)
     kw = {"max_requests": REQUESTS, "max_len": MAX_LEN, "buckets": [key], "graphs": False,
@@ -48,7 +49,7 @@ def test_a_decode_step_on_vllms_pools_and_metadata_equals_ours(q):
     slots = prefill(model, own.state, [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [19, 20, 21]])
     ctx, kda, mla = _vllm_caches(model, q)
     vex = VllmExecutor.build(model, ctx, max_model_len=MAX_LEN, block_size=BLOCK, rows=[REQUESTS * q],
-                             verify_tokens=q, log=lambda _: None)
+                             verify_tokens=q, inputs=inputs, log=lambda _: None)
     assert (vex.kda_layer, vex.mla_layer) == ("model.layers.0.self_attn", "model.layers.2.self_attn.attn")
 
     # place each request where vLLM would: its state in one block's page, its tokens in its own blocks
@@ -78,7 +79,11 @@ def test_a_decode_step_on_vllms_pools_and_metadata_equals_ours(q):
                                seq_lens=torch.tensor([p + q for p in pos], dtype=torch.int32)),
         slot_mapping=torch.tensor([tables[b][t // BLOCK] * BLOCK + t % BLOCK
                                    for b, p in enumerate(pos) for t in range(p, p + q)]))
-    got = vex.run(key, {vex.kda_layer: kda_md, vex.mla_layer: mla_md}, ids, None, REQUESTS * q)
+    md = {vex.kda_layer: kda_md, vex.mla_layer: mla_md}
+    if inputs == "ids":
+        got = vex.run(key, md, ids, None, REQUESTS * q)
+    else:  # vLLM embedded the tokens (a TP1 embedding is the table's row) and passes no ids
+        got = vex.run(key, md, None, None, REQUESTS * q, inputs_embeds=model.w.embed[ids])
 
     assert got.shape == (REQUESTS * q, model.cfg.hidden_size) and torch.equal(got, want)
     for b, r in enumerate(slots):  # the state the step wrote, where each side keeps it
@@ -102,7 +107,7 @@ def test_the_backend_builds_the_executor_once_caches_exist_and_serves_admitted_s
     model's weights standing in for vLLM's: no executor while the caches are unbound (vLLM's
     profiling run) or during a capture; built at the next warm-up forward; an admitted step in a
     FULL capture then carries its bucket and `run` returns the executor's hidden states; a step
-    whose inputs arrive as embeddings falls back with its reason; TP 8 turns the backend off (no collectives
+    whose inputs are not those the executor was built for falls back with its reason; TP 8 turns the backend off (no collectives
     over vLLM's yet)."""
     from vllm.models.kimi_k3.nvidia.latency_specialized import vllm_hook as hook
     from vllm.models.kimi_k3.nvidia.latency_specialized.deployment import Deployment
@@ -146,7 +151,7 @@ def test_the_backend_builds_the_executor_once_caches_exist_and_serves_admitted_s
     route = backend.on_forward(None, 2, md, graph_mode="FULL", capturing=True)
     assert route.path == "specialized" and route.plan == (2, 1)
     embeds = backend.on_forward(None, 2, md, graph_mode="FULL", capturing=True, embeddings_in=True)
-    assert embeds.path == "standard" and embeds.reason == hook.EMBEDDINGS_REASON
+    assert embeds.path == "standard" and embeds.reason == hook.INPUTS_REASON  # built for the ids it saw first
     slots = torch.tensor([3, 5], dtype=torch.int32)
     for i, st in kda.items():
         st.rec[slots.long()] = 0.0
