@@ -342,14 +342,19 @@ class VllmBackend:
             except BindingError as e:
                 reason = str(e)
         if reason is not None:
-            line = f"Kimi K3 latency_specialized decode OFF: {BINDING_REASON}: {reason}"
-            if self.options.strict_scope:
-                raise ScopeError(line + " (strict_scope is set)")
-            self.log.warning(line)
-            self.router.turn_off(BINDING_REASON)
+            self._turn_off(BINDING_REASON, reason)
             return
         self.log.info("Kimi K3 latency_specialized: vLLM's loaded weights bound as views "
                       "(no copies) for tensor-parallel rank %d of %d", self.rank, self.tp)
+
+    def _turn_off(self, reason: str, detail: str) -> None:
+        """Every later step runs the standard path, counted under `reason`; one warning says why
+        (a ScopeError under strict_scope)."""
+        line = f"Kimi K3 latency_specialized decode OFF: {reason}: {detail}"
+        if self.options.strict_scope:
+            raise ScopeError(line + " (strict_scope is set)")
+        self.log.warning(line)
+        self.router.turn_off(reason)
 
     def prepare(self, capturing: bool, embeddings_in: bool = False) -> None:
         """Build the executor over vLLM's caches once they are bound, outside any graph capture; its
@@ -373,11 +378,7 @@ class VllmBackend:
             except (PoolsError, ExecutorError, StateError, ValueError) as e:
                 why = str(e)
         if why is not None:
-            line = f"Kimi K3 latency_specialized decode OFF: {EXECUTOR_REASON}: {why}"
-            if self.options.strict_scope:
-                raise ScopeError(line + " (strict_scope is set)")
-            self.log.warning(line)
-            self.router.turn_off(EXECUTOR_REASON)
+            self._turn_off(EXECUTOR_REASON, why)
             return
         self.router.dispatcher.executor = self.executor.executor
         self.log.info("Kimi K3 latency_specialized: the specialized executor runs admitted steps "
