@@ -126,20 +126,25 @@ needs_vllm = pytest.mark.skipif(
     reason="needs vLLM (import vllm.config failed); the optional job .ci/vllm_cpu_job.sh runs it")
 
 
-def paged_pools(state: DecodeState, gap: int = 64):
-    """`state`'s KDA pools rebuilt as vLLM 0.33.0 holds them: per layer one buffer of pages, a page per
-    slot holding the conv window then the recurrent state, `gap` NaN elements more (their values
-    copied from `state`). Returns ((kda, mla) pools for an executor, the page buffers)."""
-    kda, pages = {}, []
-    for i, st in state.kda.items():
-        slots = max(st.rec.shape[0], st.conv.shape[0])
-        conv_f32 = -(-st.conv[0].numel() // 8) * 4  # the conv window, in fp32 elements, 16-byte rounded
-        page = conv_f32 + st.rec[0].numel() + gap
-        buf = torch.full((slots * page,), float("nan"))
-        conv = torch.as_strided(buf.view(torch.bfloat16), st.conv.shape, (2 * page, *st.conv.stride()[1:]))
-        rec = torch.as_strided(buf, st.rec.shape, (page, *st.rec.stride()[1:]), conv_f32)
-        conv.copy_(st.conv)
-        rec.copy_(st.rec)
-        kda[i] = KDALayerState(rec=rec, conv=conv)
-        pages.append((buf, rec, conv))
-    return (kda, {i: MLALayerState(st.cache.clone()) for i, st in state.mla.items()}), pages
+def page_views(rec: torch.Tensor, conv: torch.Tensor, gap_bytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One KDA layer's pools as vLLM 0.33.0 holds them: one page per slot, the conv state at its start
+    (16-byte rounded) and the recurrent state after it, views with the page as slot stride; the rest
+    of each page (and `gap_bytes` more) is NaN. Returns (page buffer, rec view, conv view) holding
+    rec's and conv's values."""
+    slots = max(rec.shape[0], conv.shape[0])
+    conv_bytes = -(-conv[0].numel() * 2 // 16) * 16
+    page = conv_bytes + rec[0].numel() * 4 + gap_bytes
+    buf = torch.full((slots * page // 4,), float("nan"), device=rec.device)
+    conv_v = torch.as_strided(buf.view(torch.bfloat16), conv.shape, (page // 2, *conv.stride()[1:]))
+    rec_v = torch.as_strided(buf, rec.shape, (page // 4, *rec.stride()[1:]), conv_bytes // 4)
+    conv_v.copy_(conv)
+    rec_v.copy_(rec)
+    return buf, rec_v, conv_v
+
+
+def paged_pools(state: DecodeState, gap_bytes: int = 256):
+    """`state`'s pools for an executor, the KDA ones rebuilt by `page_views` (the MLA caches copied).
+    Returns ((kda, mla) pools, the (page buffer, rec view, conv view) of each KDA layer)."""
+    pages = {i: page_views(st.rec, st.conv, gap_bytes) for i, st in state.kda.items()}
+    kda = {i: KDALayerState(rec=rec, conv=conv) for i, (_, rec, conv) in pages.items()}
+    return (kda, {i: MLALayerState(st.cache.clone()) for i, st in state.mla.items()}), list(pages.values())

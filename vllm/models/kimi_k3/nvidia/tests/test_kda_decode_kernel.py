@@ -41,7 +41,7 @@ from vllm.models.kimi_k3.nvidia.kernels.kda_decode import (  # noqa: E402
 )
 from vllm.models.kimi_k3.nvidia.latency_specialized.config import preset  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_kernel_test  # noqa: E402
-from vllm.models.kimi_k3.nvidia.tests._util import DISTRIBUTIONS, draw, rel_err  # noqa: E402
+from vllm.models.kimi_k3.nvidia.tests._util import DISTRIBUTIONS, draw, page_views, rel_err  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.collective import SingleRank  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.kda import (  # noqa: E402
     _gated_rms_norm,
@@ -248,26 +248,11 @@ def test_envelope_errors(case, match):
         kda_decode.launch(**kw)
 
 
-def _paged(rec: torch.Tensor, conv: torch.Tensor, gap_bytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The pools as vLLM 0.33.0 holds them: one page per slot, the conv state at its start and the
-    recurrent state after it, views with the page as slot stride; the rest of each page (and
-    `gap_bytes` more) is NaN. Returns (page buffer, rec view, conv view) holding rec's and conv's values."""
-    slots = max(rec.shape[0], conv.shape[0])
-    conv_bytes = -(-conv[0].numel() * 2 // 16) * 16
-    page = conv_bytes + rec[0].numel() * 4 + gap_bytes
-    buf = torch.full((slots * page // 4,), float("nan"), device=rec.device)
-    conv_v = torch.as_strided(buf.view(BF16), conv.shape, (page // 2, *conv.stride()[1:]))
-    rec_v = torch.as_strided(buf, rec.shape, (page // 4, *rec.stride()[1:]), conv_bytes // 4)
-    conv_v.copy_(conv)
-    rec_v.copy_(rec)
-    return buf, rec_v, conv_v
-
-
 def test_page_strided_pools_pass_the_envelope():
     """vLLM-style pools (slots a page apart, conv and recurrent state sharing the page) are inside the
     envelope: on CPU tensors only the device check refuses them."""
     kw = _cpu_inputs()
-    _, kw["rec"], kw["conv"] = _paged(kw["rec"], kw["conv"], 4096)
+    _, kw["rec"], kw["conv"] = page_views(kw["rec"], kw["conv"], 4096)
     assert kw["rec"].stride(0) > kw["rec"][0].numel() and kw["conv"].stride(0) > kw["conv"][0].numel()
     with pytest.raises(KdaEnvelopeError, match="must be a CUDA tensor"):
         kda_decode.launch(**kw)
@@ -529,7 +514,7 @@ def test_every_split(split, evidence):
 @pytest.mark.gpu
 @pytest.mark.parametrize("heads", (1, 6))
 def test_page_strided_pools_equal_contiguous_ones(heads, evidence):
-    """On vLLM-style pools (`_paged`: conv and recurrent state of a slot in one page, pages 4 KiB longer
+    """On vLLM-style pools (`page_views`: conv and recurrent state of a slot in one page, pages 4 KiB longer
     than both) the kernel computes bit for bit what it computes on contiguous pools, writes the same
     states, and leaves every byte outside the two views alone."""
     gen = torch.Generator(device="cuda").manual_seed(6300 + heads)
@@ -540,7 +525,7 @@ def test_page_strided_pools_equal_contiguous_ones(heads, evidence):
         rec, conv = layer.pools(step.rec_pool, step.conv_pool, max_q, gen)
         z, g_raw = layer.inputs(requests * q, "normal", gen)
         want = run_both(layer, step, z, g_raw, rec, conv)[:3]
-        buf, p_rec, p_conv = _paged(torch.zeros_like(rec), torch.zeros_like(conv), 4096)
+        buf, p_rec, p_conv = page_views(torch.zeros_like(rec), torch.zeros_like(conv), 4096)
         gaps = int(torch.isnan(buf).sum())
         p_rec.copy_(rec)
         p_conv.copy_(conv)
