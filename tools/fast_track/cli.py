@@ -26,8 +26,7 @@ from .model import ModelError, discover
 from .report import render_report
 from .review import run_review
 from .sanitizer_record import DEFAULT_TOOLS, record_sanitizer
-from .stale import render as render_stale
-from .stale import stale_records
+from .stale import render as render_stale, stale_records
 from .tests_record import KINDS, record_tests
 
 
