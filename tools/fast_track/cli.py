@@ -5,6 +5,7 @@
     fast-track record-coverage --coverage FILE --out FILE --command CMD [--model DIR]
     fast-track record-sanitizer --out FILE --source PATH [--source ...] [--tool T ...] [--kernel-name S] -- CMD...
     fast-track record-tests --out FILE --kind KIND --family F --source PATH [--source ...] -- PYTEST CMD...
+    fast-track stale [--model DIR]
 
 `check` prints the markdown review and writes it to --report too (e.g.
 $GITHUB_STEP_SUMMARY); exit 0 only when every automatic item holds, 1 when one does not,
@@ -25,6 +26,7 @@ from .model import ModelError, discover
 from .report import render_report
 from .review import run_review
 from .sanitizer_record import DEFAULT_TOOLS, record_sanitizer
+from .stale import render as render_stale, stale_records
 from .tests_record import KINDS, record_tests
 
 
@@ -63,6 +65,8 @@ def _parser() -> argparse.ArgumentParser:
     tests.add_argument("--source", action="append", required=True, dest="sources",
                        help="repository-relative file whose behaviour the tests prove (repeat)")
     tests.add_argument("run", nargs=argparse.REMAINDER, help="-- then the pytest command")
+    stale = commands.add_parser("stale", help="list the stale evidence records and the commands that refresh them")
+    stale.add_argument("--model", help="the model folder (default: the only one discovered)")
     return parser
 
 
@@ -107,6 +111,10 @@ def main(argv: list[str] | None = None) -> int:
                     print(f"  {r['status']} {r['name']}: {r.get('reason', '')}")
             return 0 if counts["pass"] == len(record["results"]) else 1
         model = _one_model(root, args.model)
+        if args.command == "stale":
+            found = stale_records(model)
+            sys.stdout.write(render_stale(found))
+            return 1 if found else 0
         out = args.out.resolve()
         if args.command == "render-evidence":
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -161,6 +161,7 @@ def stale_findings(evidence: EvidenceSet, record: Record) -> list[Finding]:
     state = evidence.freshness(record)
     if state.fresh:
         return []
-    found = [Finding(state.reason, record.rel)]
+    rerun = f"; refresh it with: {record.command}" if record.command.strip() else ""
+    found = [Finding(state.reason + rerun, record.rel)]
     found += [Finding(f"changed since {record.label} was recorded", s) for s in state.changed]
     return found

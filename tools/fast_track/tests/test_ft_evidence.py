@@ -28,7 +28,8 @@ def test_a_source_edit_makes_the_record_stale_and_git_names_the_file(repo):
     assert item.status == FAIL
     changed = [f.path for f in item.findings if f.message.startswith("changed since")]
     assert changed == [KERNEL]  # options.py is a source too, but unchanged
-    assert any(f.path == PARITY and f.message.startswith("stale") for f in item.findings)
+    stale = [f.message for f in item.findings if f.path == PARITY and f.message.startswith("stale")]
+    assert stale and stale[0].endswith(f"; refresh it with: {_load(repo, PARITY)['command']}")
 
 
 def test_per_file_hashes_name_the_changed_file_without_git(repo):

@@ -59,6 +59,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="samples per task and length teacher-forced on both paths for the logit divergence")
     p.add_argument("--parity-runs", type=int, default=8, help="sampling-parity runs (0: skip)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--yardstick", action=argparse.BooleanOptionalAction, default=None,
+                   help="also generate with the rounding-noise yardstick and judge greedy agreement against it "
+                        "(default: when the specialized side runs the kernels)")
     p.add_argument("--out", default=None, help="write the JSON evidence record here")
     p.add_argument("--table", default=None, help="write the Markdown table here")
     p.add_argument("--progress", action=argparse.BooleanOptionalAction, default=None,
@@ -124,6 +127,13 @@ def run(args: argparse.Namespace) -> int:
     executor = build_specialized(model, paths.dispatchers["specialized"], spec.batch, longest, reference_on_cpu=True)
     if executor is not None:
         paths.specialized = paths.executor = executor
+        if args.yardstick or (args.yardstick is None and executor.ops.impl == "cute"):
+            from ..latency_specialized.executor import SpecializedDecode
+            from ..latency_specialized.torch_ops import RoundingNoiseOps
+            torch.manual_seed(args.seed)  # the yardstick's noise draws
+            paths.use_yardstick(SpecializedDecode(model, max_requests=spec.batch, max_len=longest,
+                                                  buckets=executor.buckets, ops=RoundingNoiseOps(), graphs=False,
+                                                  log=lambda _: None))
     command = "k3-decode eval " + " ".join(sys.argv[2:] if sys.argv[1:2] == ["eval"] else sys.argv[1:])
     record = harness.evaluate(paths, spec, out=args.out, command=command, weights=weights,
                               parity_runs=args.parity_runs, progress=args.progress)

@@ -8,12 +8,21 @@ dispatcher per path: `decode_backend` auto vs latency_specialized with
 | --- | --- |
 | accuracy ± SE | mean of the task's primary score (PRIMARY) per length per path; SE = sample std / √n |
 | greedy agreement | positions where both paths emitted the same token / positions either emitted |
+| yardstick agreement | the same for the rounding-noise yardstick (standard math, one bf16 rounding of noise per GEMM output) against the standard path, when it runs |
 | logit divergence | teacher-forced on the standard path's output: per decode step max_v abs(Δ logit) and KL(softmax_std ‖ softmax_spec) |
 | sampling parity | with temperature / top-k / top-p and a seed per run: per-step total variation between the two paths' filtered distributions, and the share of runs sampling identical tokens |
 
 Gates, recorded as evidence `targets`: at every length |acc_spec − acc_std| ≤ max(SE_std,
-1 point); greedy agreement ≥ 99 % of tokens; per-step TV ≤ `TV_BOUND` and identical
-sampled runs ≥ `SAME_SAMPLES` of runs.
+1 point); greedy agreement ≥ 99 % of tokens, or, with the yardstick, no lower than its
+agreement less two standard errors of the difference (per-sample rates); per-step TV ≤
+`TV_BOUND` and identical sampled runs ≥ `SAME_SAMPLES` of runs.
+
+Why the yardstick: greedy generations fork at the first near-tie either path rounds the other
+way, and every later token may follow, so agreement measures how many near-ties a task has as
+much as how close two paths are. On the tiny model's MRCR and arithmetic (where it is often
+unsure) the yardstick itself agrees on only 0.67–0.97 of tokens (H200, 6 samples per length);
+a correct bf16 implementation cannot be held to 0.99 there, while a wrong one still falls
+below the yardstick (and fails the logit and accuracy figures).
 
 Prefill always runs the standard path, so divergence is measured on decode steps only.
 Until the specialized executor exists the dispatcher admits the steps and the standard
@@ -46,7 +55,8 @@ from .tasks import LENGTHS, PRIMARY, TASKS, primary_value, score, suite
 
 TOK = ByteTokenizer()
 PATHS = ("standard", "specialized")
-BACKENDS = {"standard": "auto", "specialized": "latency_specialized"}
+YARDSTICK = "yardstick"
+BACKENDS = {"standard": "auto", "specialized": "latency_specialized", YARDSTICK: "latency_specialized"}
 ACCURACY_POINT = 0.01  # "1 point" of accuracy
 GREEDY_AGREEMENT = 0.99
 # bf16 kernels move logits by O(1e-2) at most on this model; that moves a filtered
@@ -96,9 +106,9 @@ def default_deployment(max_model_len: int) -> Deployment:
 
 def dispatcher(path: str, deployment: Deployment, executor: Optional[Executor] = None) -> Dispatcher:
     if path not in BACKENDS:
-        raise ValueError(f"unknown path {path!r}; the paths are {', '.join(PATHS)}")
+        raise ValueError(f"unknown path {path!r}; the paths are {', '.join(BACKENDS)}")
     extra = {"decode_backend": BACKENDS[path]}
-    if path == "specialized":
+    if path != "standard":
         extra["allow_unvalidated"] = True
     return Dispatcher(BackendOptions.parse(extra), deployment, executor=executor)
 
@@ -107,25 +117,36 @@ def dispatcher(path: str, deployment: Deployment, executor: Optional[Executor] =
 class Paths:
     """The model, the deployment both paths see, one dispatcher per path (built once, so its
     start-up verdict is logged once and its counters cover the whole run), and the
-    specialized decode function once the executor exists."""
+    specialized decode function once the executor exists; `use_yardstick` adds a third path."""
 
     model: ReferenceModel
     deployment: Deployment
     specialized: Optional[DecodeFn] = None
     executor: Optional[Executor] = None  # plans the specialized steps (SpecializedDecode)
     served: dict[str, dict[str, int]] = field(default_factory=lambda: {p: {} for p in PATHS})
+    yardstick: Optional[DecodeFn] = None  # set by use_yardstick
 
     def __post_init__(self) -> None:
         self.dispatchers = {p: dispatcher(p, self.deployment, self.executor if p == "specialized" else None)
                             for p in PATHS}
 
+    def use_yardstick(self, executor) -> None:
+        """Serve the `yardstick` path's decode steps with `executor` (a SpecializedDecode on
+        RoundingNoiseOps), through its own dispatcher and counters."""
+        self.yardstick = executor
+        self.dispatchers[YARDSTICK] = dispatcher(YARDSTICK, self.deployment, executor)
+        self.served[YARDSTICK] = {}
+
+    def _decode(self, path: str) -> Optional[DecodeFn]:
+        return {"specialized": self.specialized, YARDSTICK: self.yardstick}.get(path)
+
     def _own_state(self, path: str):
-        """The DecodeState the specialized decode function serves when it owns one (the executor:
-        its graphs point at its pools), else None: a fresh state per run."""
-        return getattr(self.specialized, "state", None) if path == "specialized" else None
+        """The DecodeState a non-standard path's decode function serves when it owns one (an
+        executor: its graphs point at its pools), else None: a fresh state per run."""
+        return getattr(self._decode(path), "state", None)
 
     def engine(self, path: str, requests: int, max_len: int) -> Engine:
-        fn = self.specialized if path == "specialized" else None
+        fn = self._decode(path)
         return Engine(self.model, dispatcher=self.dispatchers[path], specialized=fn,
                       max_requests=requests, max_len=max_len, state=self._own_state(path))
 
@@ -147,7 +168,7 @@ class Paths:
         Row 0 comes from the prefill (the standard path's on both paths), row j ≥ 1 from the
         decode step that fed forced[j − 1], served by whichever path the dispatcher picks.
         """
-        model, d = self.model, self.dispatchers[path]
+        model, d, decode = self.model, self.dispatchers[path], self._decode(path)
         device = model.w.embed.device
         own = self._own_state(path)
         state = own if own is not None else model.new_state(max_requests=1, max_len=len(prompt) + len(forced),
@@ -160,8 +181,8 @@ class Paths:
             for tok in forced[:-1]:
                 seg = state.segment(r, 0, 1, prefill=False)
                 route = d.route(StepFacts(rows=1, tokens_per_request=1, max_context=seg.pos0 + 1, pure_decode=True))
-                use_spec = route.path == SPECIALIZED and self.specialized is not None
-                fn = self.specialized if use_spec else self._standard
+                use_spec = route.path == SPECIALIZED and decode is not None
+                fn = decode if use_spec else self._standard
                 rows.append(fn(torch.tensor([tok], device=device), [seg], state)[0].to(torch.float32).cpu())
                 key = "specialized" if use_spec else "standard"
                 served[key] = served.get(key, 0) + 1
@@ -189,6 +210,21 @@ def mean_and_se(values: Sequence[float]) -> tuple[float, float]:
 def token_agreement(a: Sequence[int], b: Sequence[int]) -> tuple[int, int]:
     """(positions with equal tokens, positions either sequence has)."""
     return sum(int(x == y) for x, y in zip(a, b)), max(len(a), len(b))
+
+
+def agreement(outs: Sequence[list[int]], refs: Sequence[list[int]]) -> tuple[float, list[float], int]:
+    """(token-weighted agreement of `outs` with `refs`, the per-sample rates, tokens counted)."""
+    pairs = [token_agreement(a, b) for a, b in zip(refs, outs)]
+    agreed, total = sum(x for x, _ in pairs), sum(y for _, y in pairs)
+    return agreed / max(1, total), [x / max(1, y) for x, y in pairs], total
+
+
+def agreement_floor(spec_rates: Sequence[float], yard_rate: float, yard_rates: Sequence[float]) -> float:
+    """The lowest agreement a path may show next to the yardstick: the yardstick's less two
+    standard errors of the difference of the two mean per-sample rates (samples are the
+    independent unit: within one, tokens after a fork follow it)."""
+    se = math.sqrt(mean_and_se(spec_rates)[1] ** 2 + mean_and_se(yard_rates)[1] ** 2)
+    return yard_rate - 2 * se
 
 
 def logit_divergence(std: torch.Tensor, spec: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -240,7 +276,7 @@ def run_tasks(paths: Paths, spec: EvalSpec, progress: Progress | None = None) ->
         for length in spec.lengths:
             samples = suite(task, length, spec.samples, seed=spec.seed)
             outs: dict[str, list[list[int]]] = {}
-            for path in PATHS:
+            for path in PATHS + ((YARDSTICK,) if paths.yardstick is not None else ()):
                 outs[path] = []
                 for i in range(0, len(samples), spec.batch):
                     chunk = samples[i:i + spec.batch]
@@ -261,11 +297,12 @@ def run_tasks(paths: Paths, spec: EvalSpec, progress: Progress | None = None) ->
                     "exact": sum(sc.exact for sc in scores) / len(scores),
                     "similarity": sum(sc.similarity for sc in scores) / len(scores),
                 })
-            agreed = total = 0
-            for a, b in zip(outs["standard"], outs["specialized"]):
-                x, y = token_agreement(a, b)
-                agreed, total = agreed + x, total + y
-            agreement = agreed / max(1, total)
+            agreed, rates, total = agreement(outs["specialized"], outs["standard"])
+            floor, yard = GREEDY_AGREEMENT, {}
+            if YARDSTICK in outs:
+                y_agreed, y_rates, _ = agreement(outs[YARDSTICK], outs["standard"])
+                floor = min(GREEDY_AGREEMENT, agreement_floor(rates, y_agreed, y_rates))
+                yard = {"yardstick_agreement": y_agreed}
             max_abs, kls = [], []
             for s, o in list(zip(samples, outs["standard"]))[:spec.logit_samples]:
                 # row 0 is the prefill's, standard on both paths: compare decode steps only
@@ -278,11 +315,11 @@ def run_tasks(paths: Paths, spec: EvalSpec, progress: Progress | None = None) ->
                     progress.advance(1, f"{task} {length} logits")
             delta = acc["specialized"][0] - acc["standard"][0]
             allowed = max(acc["standard"][1], ACCURACY_POINT)
-            acc_met, agree_met = abs(delta) <= allowed, agreement >= GREEDY_AGREEMENT
+            acc_met, agree_met = abs(delta) <= allowed, agreed >= floor
             results.append({
                 "name": f"{task}@{length}/parity", "status": "pass" if acc_met and agree_met else "fail",
-                "task": task, "length": length, "accuracy_delta": delta, "greedy_agreement": agreement,
-                "greedy_tokens": total, "forced_steps": len(kls),
+                "task": task, "length": length, "accuracy_delta": delta, "greedy_agreement": agreed,
+                **yard, "agreement_floor": floor, "greedy_tokens": total, "forced_steps": len(kls),
                 "logit_max_abs": max(max_abs, default=0.0), "kl_mean": sum(kls) / max(1, len(kls)),
                 "kl_max": max(kls, default=0.0),
             })
@@ -290,7 +327,9 @@ def run_tasks(paths: Paths, spec: EvalSpec, progress: Progress | None = None) ->
                             "target": f"|delta| <= max(SE_standard, {ACCURACY_POINT})",
                             "value": delta, "allowed": allowed, "met": acc_met})
             targets.append({"name": f"{task}@{length} greedy token agreement",
-                            "target": f">= {GREEDY_AGREEMENT}", "value": agreement, "met": agree_met})
+                            "target": f">= {GREEDY_AGREEMENT}" if not yard else
+                            f">= min({GREEDY_AGREEMENT}, yardstick's - 2 SE)",
+                            "value": agreed, "allowed": floor, "met": agree_met})
     return results, targets
 
 
@@ -345,9 +384,9 @@ def measured_sources(extra: Sequence[str | Path] = ()) -> list[str]:
              MODEL_DIR / "latency_specialized" / "engine.py", MODEL_DIR / "latency_specialized" / "sampler.py",
              MODEL_DIR / "latency_specialized" / "dispatch.py"]
     files += sorted((MODEL_DIR / "reference").glob("*.py")) + sorted((MODEL_DIR / "kernels").glob("*.py"))
-    executor = MODEL_DIR / "latency_specialized" / "executor.py"
-    if executor.exists():
-        files.append(executor)
+    # the executor and the op tables it runs (the kernels', the reference's, the yardstick's)
+    files += [MODEL_DIR / "latency_specialized" / f for f in ("executor.py", "decode_ops.py", "torch_ops.py",
+                                                              "moe_padding.py")]
     out = [rel(f) for f in files]
     for p in extra:  # absolute, or relative to the repository (as `cli` shows paths inside it)
         path = Path(p) if Path(p).is_absolute() else REPO_ROOT / p
@@ -360,7 +399,8 @@ def measured_sources(extra: Sequence[str | Path] = ()) -> list[str]:
 def evaluate(paths: Paths, spec: EvalSpec, *, out: str | Path | None = None, command: str = "",
              weights: str = "", parity_runs: int = 8, progress: bool | None = None) -> dict:
     """Run the task evals (and `parity_runs` sampling-parity runs); write the evidence to `out`."""
-    per_length = spec.samples * len(PATHS) + min(spec.logit_samples, spec.samples)
+    runs = len(PATHS) + (paths.yardstick is not None)
+    per_length = spec.samples * runs + min(spec.logit_samples, spec.samples)
     bar = Progress(len(spec.tasks) * len(spec.lengths) * per_length + parity_runs, enabled=progress)
     results, targets = run_tasks(paths, spec, bar)
     if parity_runs:
@@ -371,6 +411,7 @@ def evaluate(paths: Paths, spec: EvalSpec, *, out: str | Path | None = None, com
     bar.close()
     extra = {"model": paths.model.cfg.name, "weights": weights, "deployment": paths.deployment.summary(),
              "paths_served": paths.served, "specialized_built": paths.specialized is not None,
+             "yardstick": paths.yardstick is not None,
              "dispatch": {p: d.counters.as_dict() for p, d in paths.dispatchers.items()},
              "startup": {p: d.startup_line for p, d in paths.dispatchers.items()},
              "spec": {"tasks": list(spec.tasks), "lengths": list(spec.lengths), "samples": spec.samples,
@@ -394,12 +435,14 @@ def table(record: dict) -> str:
     """Accuracy ± SE per task × length × path, and the parity figures, as a Markdown table."""
     acc = {(r["task"], r["length"], r["path"]): r for r in record["results"] if "path" in r}
     par = {(r["task"], r["length"]): r for r in record["results"] if r["name"].endswith("/parity")}
-    lines = ["| task | length | standard | specialized | greedy agreement | max abs(Δ logit) | mean KL | gates |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    lines = ["| task | length | standard | specialized | greedy agreement (floor) | yardstick's | max abs(Δ logit) "
+             "| mean KL | gates |", "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for (task, length), p in par.items():
         s, x = acc[(task, length, "standard")], acc[(task, length, "specialized")]
+        yard = f"{p['yardstick_agreement']:.4f}" if "yardstick_agreement" in p else "not run"
         lines.append(f"| {task} | {length} | {s['accuracy']:.3f} ± {s['stderr']:.3f} | "
-                     f"{x['accuracy']:.3f} ± {x['stderr']:.3f} | {p['greedy_agreement']:.4f} | "
+                     f"{x['accuracy']:.3f} ± {x['stderr']:.3f} | {p['greedy_agreement']:.4f} "
+                     f"({p.get('agreement_floor', GREEDY_AGREEMENT):.3f}) | {yard} | "
                      f"{p['logit_max_abs']:.3g} | {p['kl_mean']:.3g} | {p['status']} |")
     for r in record["results"]:
         if r["name"] == "sampling parity":

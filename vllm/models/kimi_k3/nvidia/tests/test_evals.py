@@ -193,6 +193,49 @@ def test_harness_gates_catch_a_diverging_specialized_path(model):
     assert paths.served["specialized"]["specialized"] > 0
 
 
+class _AdmittingDecode:
+    """A yardstick stand-in: admits every step and decodes with `decode`."""
+
+    def __init__(self, decode):
+        self.decode = decode
+
+    def plan(self, step):
+        return step
+
+    def __call__(self, ids, segs, state):
+        return self.decode(ids, segs, state)
+
+
+def test_agreement_floor_by_hand():
+    # per-sample rates (1, 0) and (1, 1): SE of the first mean 0.5, of the second 0
+    assert harness.agreement_floor([1.0, 0.0], 0.9, [1.0, 1.0]) == pytest.approx(0.9 - 2 * 0.5)
+    assert harness.agreement_floor([1.0, 1.0], 1.0, [1.0, 1.0]) == 1.0
+    rate, rates, total = harness.agreement([[1, 2, 3], [4]], [[1, 2, 0], [4, 5]])
+    assert (rate, rates, total) == (pytest.approx(3 / 5), [pytest.approx(2 / 3), 0.5], 5)
+
+
+def test_greedy_agreement_is_judged_against_the_yardstick(model):
+    """A path that forks as often as the yardstick passes although its agreement is below 0.99;
+    a diverging one still fails next to an exact yardstick."""
+    skew = _skewed(model, 40.0)
+    paths = harness.Paths(model, H200, specialized=skew, executor=_Admit())
+    paths.use_yardstick(_AdmittingDecode(skew))
+    results, targets = harness.run_tasks(paths, _spec(tasks=("kv",)))
+    par = next(r for r in results if r["name"] == "kv@160/parity")
+    assert par["greedy_agreement"] < 0.99 and par["yardstick_agreement"] == par["greedy_agreement"]
+    assert par["agreement_floor"] <= par["greedy_agreement"] and par["status"] == "pass"
+    assert paths.served[harness.YARDSTICK]["specialized"] > 0
+
+    exact = _AdmittingDecode(lambda ids, segs, state: model.logits(model.forward(ids, segs, state)))
+    paths = harness.Paths(model, H200, specialized=skew, executor=_Admit())
+    paths.use_yardstick(exact)
+    results, targets = harness.run_tasks(paths, _spec(tasks=("kv",)))
+    par = next(r for r in results if r["name"] == "kv@160/parity")
+    assert par["yardstick_agreement"] == 1.0 and par["agreement_floor"] == 0.99 and par["status"] == "fail"
+    assert not next(t for t in targets if "greedy" in t["name"])["met"]
+    assert "yardstick's" in harness.table({"results": results})
+
+
 def test_total_variation_by_hand():
     p = SamplingParams(temperature=1.0)
     a = torch.tensor([[0.0, 0.0]])
@@ -231,6 +274,14 @@ def test_eval_cli_runs_and_explains_a_missing_checkpoint(tmp_path, capsys):
                      "--samples", "1", "--logit-samples", "0", "--parity-runs", "0", "--out", str(out)])
     assert code == 0 and json.loads(out.read_text())["kind"] == "eval"
     assert "| arith | 100 |" in capsys.readouterr().out
+    # on a CPU the specialized side runs the reference ops: no yardstick unless asked for
+    assert not json.loads(out.read_text())["yardstick"]
+    code = cli.main(["eval", "--config", "mini", "--random-weights", "0", "--tasks", "arith", "--lengths", "100",
+                     "--samples", "1", "--logit-samples", "0", "--parity-runs", "0", "--yardstick", "--out", str(out)])
+    rec = json.loads(out.read_text())
+    assert code in (0, 1) and rec["yardstick"] and rec["paths_served"]["yardstick"]["specialized"] > 0
+    assert "yardstick_agreement" in next(r for r in rec["results"] if r["name"] == "arith@100/parity")
+    capsys.readouterr()
     assert cli.main(["eval", "--config", "mini"]) == 2
     assert "--random-weights" in capsys.readouterr().err
     assert cli.main(["eval", "--config", "mini", "--random-weights", "0", "--lengths", "5"]) == 2
