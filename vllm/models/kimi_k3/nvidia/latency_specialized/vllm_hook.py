@@ -60,9 +60,11 @@ from .dispatch import (BACKEND_LOG, OUT_OF_SCOPE_REASON, STANDARD, Dispatcher, P
                        Route)
 from .options import ACCEPTED_KEYS, BackendOptions
 from .scope import ScopeError
+from ..reference.collective import Collective, SingleRank
 from ..reference.model import ReferenceModel
 from ..reference.state import StateError
 from .executor import ExecutorError
+from .vllm_collective import VllmCollective
 from .vllm_executor import VllmExecutor
 from .vllm_pools import CachesNotBound, PoolsError
 from .vllm_weights import BindingError, bind_vllm_weights, repacked_experts
@@ -98,6 +100,12 @@ def register(registry: Any = None, platform: Any = None) -> None:
 
 
 # ---------------------------------------------------------------------------- start-up
+
+
+def tp_group() -> Any:
+    """vLLM's tensor-parallel GroupCoordinator of this process (formed before the model is built)."""
+    from vllm.distributed import get_tp_group
+    return get_tp_group()
 
 
 def split_additional_config(extra: Any) -> tuple[BackendOptions, Any]:
@@ -363,26 +371,34 @@ class VllmBackend:
             return
         assert self.cfg is not None and self.router.dispatcher is not None
         why = None
-        if self.tp > 1:
-            why = f"tensor parallelism {self.tp}: the executor's collectives over vLLM's are not written yet"
-        else:
-            try:
-                self.executor = VllmExecutor.build(
-                    ReferenceModel(self.cfg, self.weights), self.vllm_config.compilation_config.static_forward_context,
-                    max_model_len=self.router.max_context, block_size=self.vllm_config.cache_config.block_size,
-                    rows=sorted(self.router.dispatcher.envelopes[0].rows_per_step),
-                    verify_tokens=self.router.verify_tokens, inputs="embeddings" if embeddings_in else "ids",
-                    log=self.log.info)
-            except CachesNotBound:
-                return  # vLLM's profiling run: the caches come later
-            except (PoolsError, ExecutorError, StateError, ValueError) as e:
-                why = str(e)
+        try:
+            self.executor = VllmExecutor.build(
+                ReferenceModel(self.cfg, self.weights, coll=self._collective()),
+                self.vllm_config.compilation_config.static_forward_context,
+                max_model_len=self.router.max_context, block_size=self.vllm_config.cache_config.block_size,
+                rows=sorted(self.router.dispatcher.envelopes[0].rows_per_step),
+                verify_tokens=self.router.verify_tokens, inputs="embeddings" if embeddings_in else "ids",
+                log=self.log.info)
+        except CachesNotBound:
+            return  # vLLM's profiling run: the caches come later
+        except (PoolsError, ExecutorError, StateError, ValueError) as e:
+            why = str(e)
         if why is not None:
             self._turn_off(EXECUTOR_REASON, why)
             return
         self.router.dispatcher.executor = self.executor.executor
         self.log.info("Kimi K3 latency_specialized: the specialized executor runs admitted steps "
                       f"({self.executor.executor.report.line()})")
+
+    def _collective(self) -> Collective:
+        """This rank's cross-rank sums: identities at TP 1, vLLM's tensor-parallel group above."""
+        if self.tp == 1:
+            return SingleRank()
+        coll = VllmCollective(tp_group())
+        if (coll.tp, coll.rank) != (self.tp, self.rank):
+            raise ValueError(f"vLLM's tensor-parallel group is rank {coll.rank} of {coll.tp}, but the model was "
+                             f"built for rank {self.rank} of {self.tp}")
+        return coll
 
     def run(self, route: Route, attn_metadata: Any, input_ids: Any, slot_mapping: Any, rows: int,
             inputs_embeds: Any = None) -> Any:

@@ -102,28 +102,22 @@ def test_buckets_cover_every_row_count_and_whole_verify_requests():
     assert buckets_for([1, 4, 6, 8, 64], 4) == [(1, 1), (4, 1), (4, 4), (6, 1), (8, 1), (8, 4), (64, 1), (64, 4)]
 
 
-def test_the_backend_builds_the_executor_once_caches_exist_and_serves_admitted_steps(monkeypatch, caplog):
-    """`VllmBackend` on an H200 deployment (described, since this machine has no GPU) with the mini
-    model's weights standing in for vLLM's: no executor while the caches are unbound (vLLM's
-    profiling run) or during a capture; built at the next warm-up forward; an admitted step in a
-    FULL capture then carries its bucket and `run` returns the executor's hidden states; a step
-    whose inputs are not those the executor was built for falls back with its reason; TP 8 turns the backend off (no collectives
-    over vLLM's yet)."""
+def _backend_config(model, monkeypatch, tp: int):
+    """A vLLM config stand-in on an H200 deployment (described, since this machine has no GPU) for
+    `model`'s rank, its caches bound in the static forward context; (config, options, context,
+    (kda pools, mla pools, {layer: caches}))."""
     from vllm.models.kimi_k3.nvidia.latency_specialized import vllm_hook as hook
     from vllm.models.kimi_k3.nvidia.latency_specialized.deployment import Deployment
     from vllm.models.kimi_k3.nvidia.latency_specialized.options import BackendOptions
 
-    model = mini_model(seed=0)
     monkeypatch.setattr(hook.Deployment, "detect",
                         lambda **kw: Deployment.describe(gpu="H200", **{k: v for k, v in kw.items()
                                                                         if k != "device"}))
     block = 64  # the executor's buckets reach 64 rows: padding rows need that many rows of the null block
     ctx, kda, mla = _vllm_caches(model, 1, block)
     bound = {name: module.kv_cache for name, module in ctx.items()}
-    for module in ctx.values():
-        module.kv_cache = []  # vLLM's profiling run: nothing bound yet
     config = SimpleNamespace(
-        parallel_config=SimpleNamespace(tensor_parallel_size=1, pipeline_parallel_size=1,
+        parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1,
                                         enable_expert_parallel=False, decode_context_parallel_size=1),
         cache_config=SimpleNamespace(cache_dtype="auto", block_size=block), lora_config=None, quant_config=None,
         speculative_config=None,
@@ -132,7 +126,21 @@ def test_the_backend_builds_the_executor_once_caches_exist_and_serves_admitted_s
         model_config=SimpleNamespace(max_model_len=MAX_LEN, dtype=torch.bfloat16,
                                      hf_config=SimpleNamespace(quantization_config=None),
                                      hf_text_config=SimpleNamespace(to_dict=lambda: model.cfg.to_hf_dict())))
-    options = BackendOptions("latency_specialized", allow_unvalidated=True)
+    return config, BackendOptions("latency_specialized", allow_unvalidated=True), ctx, (kda, mla, bound)
+
+
+def test_the_backend_builds_the_executor_once_caches_exist_and_serves_admitted_steps(monkeypatch, caplog):
+    """`VllmBackend` on an H200 deployment (described, since this machine has no GPU) with the mini
+    model's weights standing in for vLLM's: no executor while the caches are unbound (vLLM's
+    profiling run) or during a capture; built at the next warm-up forward; an admitted step in a
+    FULL capture then carries its bucket and `run` returns the executor's hidden states; a step
+    whose inputs are not those the executor was built for falls back with its reason."""
+    from vllm.models.kimi_k3.nvidia.latency_specialized import vllm_hook as hook
+
+    model = mini_model(seed=0)
+    config, options, ctx, (kda, mla, bound) = _backend_config(model, monkeypatch, tp=1)
+    for module in ctx.values():
+        module.kv_cache = []  # vLLM's profiling run: nothing bound yet
     backend = hook.VllmBackend(config, options, tp=1, rank=0, kda_dtypes=(torch.bfloat16, torch.float32))
     assert backend.router.enabled, backend.startup_line
     backend._bound, backend.weights = True, model.w  # vLLM's loaded weights, bound (tested elsewhere)
@@ -162,14 +170,40 @@ def test_the_backend_builds_the_executor_once_caches_exist_and_serves_admitted_s
         "model.layers.2.self_attn.attn": SimpleNamespace(
             decode=SimpleNamespace(block_table=torch.tensor([[7], [9]], dtype=torch.int32),
                                    seq_lens=torch.tensor([1, 1], dtype=torch.int32)),
-            slot_mapping=torch.tensor([7 * block, 9 * block]))}
+            slot_mapping=torch.tensor([7 * 64, 9 * 64]))}  # _backend_config's blocks of 64
     hidden = backend.run(route, full_md, torch.tensor([11, 12]), None, 2)
     assert hidden.shape == (2, model.cfg.hidden_size) and torch.isfinite(hidden).all()
 
-    monkeypatch.setattr(config.parallel_config, "tensor_parallel_size", 8)
-    tp8 = hook.VllmBackend(config, options, tp=8, rank=0, kda_dtypes=(torch.bfloat16, torch.float32))
-    assert tp8.router.enabled, tp8.startup_line
-    tp8._bound, tp8.weights = True, model.w
+
+def test_above_tp_1_the_backend_sums_over_vllms_tensor_parallel_group(monkeypatch, caplog):
+    """Rank 1 of TP 8 (the mini model, 8 heads, its shard and caches of that rank): the executor is built with
+    its sums over vLLM's group (`tp_group`, a stand-in here whose peer sent the same partial);
+    a group whose rank is not the model's turns the backend off and says both."""
+    from vllm.models.kimi_k3.nvidia.latency_specialized import vllm_hook as hook
+    from vllm.models.kimi_k3.nvidia.latency_specialized.vllm_collective import VllmCollective
+
+    model = mini_model(seed=0, tp=8, rank=1, num_attention_heads=8, kda_num_heads=8)
+    config, options, ctx, _ = _backend_config(model, monkeypatch, tp=8)
+    group = SimpleNamespace(world_size=8, rank_in_group=1, gathers=0)
+
+    def all_gather(x, dim=-1):
+        group.gathers += 1
+        return torch.cat([x] * 8, dim)
+
+    group.all_gather = all_gather
+    monkeypatch.setattr(hook, "tp_group", lambda: group)
+    md = {"model.layers.0.self_attn": SimpleNamespace(num_decodes=2, num_spec_decodes=0, num_prefills=0)}
+    backend = hook.VllmBackend(config, options, tp=8, rank=1, kda_dtypes=(torch.bfloat16, torch.float32))
+    backend._bound, backend.weights = True, model.w
+    backend.on_forward(None, 2, md, graph_mode="NONE", capturing=False)
+    assert backend.router.enabled and backend.executor is not None, caplog.text
+    coll = backend.executor.executor.model.coll
+    assert isinstance(coll, VllmCollective) and coll.group is group and group.gathers > 0  # the build's warm-up
+    assert backend.executor.executor.shard == model.cfg.shard(8, 1)
+
+    group.rank_in_group = 0
+    other = hook.VllmBackend(config, options, tp=8, rank=1, kda_dtypes=(torch.bfloat16, torch.float32))
+    other._bound, other.weights = True, model.w
     with caplog.at_level("WARNING"):
-        tp8.on_forward(None, 2, md, graph_mode="NONE", capturing=False)
-    assert not tp8.router.enabled and "tensor parallelism 8" in caplog.text
+        other.on_forward(None, 2, md, graph_mode="NONE", capturing=False)
+    assert not other.router.enabled and "rank 0 of 8, but the model was built for rank 1 of 8" in caplog.text
