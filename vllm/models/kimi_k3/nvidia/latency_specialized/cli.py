@@ -4,7 +4,7 @@
     torchrun --nproc-per-node 4 -m vllm.models.kimi_k3.nvidia.latency_specialized generate --tp 4 ...
     k3-decode scope [--gpu GB300 --tp 16 --max-model-len 262144 --spec dspark:7]
     k3-decode eval [--config tiny --tasks ... --lengths ...]   (long-context evals, both paths)
-    k3-decode bench --out DIR [--quick] ...                       (decode-latency benchmark, GPU)
+    k3-decode bench --out DIR [--quick] [--plot] ...              (decode-latency benchmark, GPU)
 """
 
 from __future__ import annotations
@@ -21,6 +21,24 @@ from ..evals import cli as eval_cli
 from . import scope_cli
 from .config import ConfigError, preset
 from .distributed import add_tp_arguments, tp_generate
+
+
+def _plot_bench(bench_args: list[str]) -> int:
+    """The step-time plot of every decode-bench record in the benchmark's --out folder (the one
+    it just wrote among them), as NAME.png beside it: the model README's plot is this one."""
+    from pathlib import Path
+
+    from ..benchmarks import plot_decode
+    opts = argparse.ArgumentParser(add_help=False)
+    opts.add_argument("--out", required=True)
+    opts.add_argument("--name", default="decode_bench")
+    known, _ = opts.parse_known_args(bench_args)
+    out = Path(known.out)
+    records = sorted({*out.glob("decode_bench*.json"), out / f"{known.name}.json"} & set(out.glob("*.json")))
+    if not records:
+        print(f"error: no decode-bench record in {out} to plot", file=sys.stderr)
+        return 2
+    return plot_decode.main([str(p) for p in records] + ["--out", str(out / f"{known.name}.png")])
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -129,7 +147,8 @@ def main(argv: list[str] | None = None) -> int:
     scope_cli.add_parser(sub)
     eval_cli.add_parser(sub)
     sub.add_parser("bench", add_help=False,
-                   help="decode-latency benchmark on a GPU (benchmarks/decode_latency.py; --help for its flags)")
+                   help="decode-latency benchmark on a GPU (benchmarks/decode_latency.py; --help for its flags); "
+                        "--plot also draws NAME.png from every decode-bench record in --out")
     args, rest = ap.parse_known_args(argv)
     if rest and args.cmd != "bench":
         ap.error(f"unrecognized arguments: {' '.join(rest)}")
@@ -144,7 +163,10 @@ def main(argv: list[str] | None = None) -> int:
                       file=sys.stderr)
                 return 2
             from ..benchmarks import decode_latency
-            return decode_latency.main(rest)
+            plot = "--plot" in rest
+            rest = [a for a in rest if a != "--plot"]
+            code = decode_latency.main(rest)
+            return _plot_bench(rest) or code if plot else code
         return scope_cli.run(args)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
