@@ -44,8 +44,10 @@ Executor: at the first forward outside a capture after vLLM bound its caches (th
 run vLLM makes before it captures each graph size), `VllmBackend.prepare` builds the
 `VllmExecutor` over those caches (`vllm_executor.py`) and gives it to the dispatcher; from
 then on an admitted step, captured into vLLM's FULL graph, runs our kernels
-(`VllmBackend.run`). Tensor parallelism above 1 waits for collectives over vLLM's own
-and turns the backend OFF with that reason.
+(`VllmBackend.run`). Above TP 1 the executor's sums run over vLLM's tensor-parallel group
+(`vllm_collective.py`); every rank builds at the same forward, and the build's warm-up step
+meets its peers in those collectives, so a build that fails must fail on every rank alike (it
+does for what it checks: shapes, dtypes and caches are the same on every rank).
 """
 
 from __future__ import annotations
