@@ -34,7 +34,8 @@ def _plot_bench(bench_args: list[str]) -> int:
     opts.add_argument("--name", default="decode_bench")
     known, _ = opts.parse_known_args(bench_args)
     out = Path(known.out)
-    records = sorted({*out.glob("decode_bench*.json"), out / f"{known.name}.json"} & set(out.glob("*.json")))
+    mine = out / f"{known.name}.json"
+    records = sorted(set(out.glob("decode_bench*.json")) | ({mine} if mine.exists() else set()))
     if not records:
         print(f"error: no decode-bench record in {out} to plot", file=sys.stderr)
         return 2
@@ -166,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
             plot = "--plot" in rest
             rest = [a for a in rest if a != "--plot"]
             code = decode_latency.main(rest)
-            return _plot_bench(rest) or code if plot else code
+            return (_plot_bench(rest) or code) if plot else code
         return scope_cli.run(args)
     except (ConfigError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
