@@ -193,14 +193,11 @@ def test_harness_gates_catch_a_diverging_specialized_path(model):
     assert paths.served["specialized"]["specialized"] > 0
 
 
-class _AdmittingDecode:
+class _AdmittingDecode(_Admit):
     """A yardstick stand-in: admits every step and decodes with `decode`."""
 
     def __init__(self, decode):
         self.decode = decode
-
-    def plan(self, step):
-        return step
 
     def __call__(self, ids, segs, state):
         return self.decode(ids, segs, state)
