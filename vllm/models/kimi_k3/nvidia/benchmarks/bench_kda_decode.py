@@ -231,8 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             for rows in ROWS[q]:
                 case = KdaCase(HEADS[tp], q, rows // q, gen)
                 # Compiled afresh whenever a recompile would come (torch specializes a batch of one
-                # request; heads and q are loop bounds): torch 2.13's dynamic recompile of this
-                # function fails to build its guards ("sources must not be empty for symbol").
+                # request; heads and q are loop bounds): on the H200 (torch 2.11) a dynamic recompile
+                # of this function failed to build its guards ("sources must not be empty for symbol").
                 if not args.no_compile and compiled_for != (tp, q, case.requests == 1):
                     torch._dynamo.reset()
                     compiled, compiled_for = torch.compile(torch_step, dynamic=True), (tp, q, case.requests == 1)
