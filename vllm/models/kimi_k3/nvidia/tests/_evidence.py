@@ -8,6 +8,26 @@ from typing import Any, Sequence
 from vllm.models.kimi_k3.nvidia.latency_specialized.evidence import write_record
 
 
+def partial_selection(option: Any, args: Sequence[str]) -> str | None:
+    """What makes a pytest run (its parsed `option`s and file `args`) run only part of its files'
+    GPU tests, or None. A record's command is `pytest -m gpu <file>`: the whole file; a record
+    written by a part (a sanitizer's `-k`, one test id, `-x`) would stand for tests that never ran."""
+    why = []
+    if getattr(option, "keyword", ""):
+        why.append(f"-k {option.keyword!r}")
+    if getattr(option, "markexpr", "") not in ("", "gpu"):
+        why.append(f"-m {option.markexpr!r}")
+    if any("::" in str(a) for a in args):
+        why.append("test ids")
+    if getattr(option, "deselect", None):
+        why.append("--deselect")
+    if getattr(option, "lf", False) or getattr(option, "last_failed", False):
+        why.append("--lf")
+    if getattr(option, "maxfail", 0):
+        why.append(f"--maxfail {option.maxfail} / -x")
+    return ", ".join(why) or None
+
+
 def record_kernel_test(filename: str, family: str, test_file: str, sources: Sequence[str],
                        results: list[dict], target: str, extra: dict[str, Any] | None = None) -> str | None:
     """Write `results` as one kernel-test record into $K3_EVIDENCE_DIR; returns its path (None: not asked)."""

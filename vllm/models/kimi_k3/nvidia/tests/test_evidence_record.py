@@ -1,9 +1,16 @@
-"""Evidence records follow ARCHITECTURE.md §7 and hash exactly the sources they name."""
+"""Evidence records follow ARCHITECTURE.md §7, hash exactly the sources they name, and come only
+from whole-file test runs."""
 
 import json
+import os
+import subprocess
+import sys
+from types import SimpleNamespace
+
+import pytest
 
 from vllm.models.kimi_k3.nvidia.latency_specialized.evidence import source_hash
-from vllm.models.kimi_k3.nvidia.tests._evidence import record_kernel_test
+from vllm.models.kimi_k3.nvidia.tests._evidence import partial_selection, record_kernel_test
 
 SOURCES = ["vllm/models/kimi_k3/nvidia/reference/ops.py", "vllm/models/kimi_k3/nvidia/tests/_evidence.py"]
 
@@ -23,3 +30,33 @@ def test_kernel_test_record_format(tmp_path, monkeypatch):
     assert rec["source_hash"] == source_hash(SOURCES) and rec["sources"] == SOURCES
     assert rec["targets"] == [{"name": "all cases pass", "target": "all pass", "value": 0.5, "met": False}]
     assert rec["results"] == results and "tests/x.py" in rec["command"]
+
+
+def test_partial_selection_names_what_narrows_the_run():
+    whole = SimpleNamespace(keyword="", markexpr="gpu", deselect=None, lf=False, maxfail=0)
+    assert partial_selection(whole, ["tests/test_x.py"]) is None
+    assert partial_selection(SimpleNamespace(**{**vars(whole), "markexpr": ""}), ["tests/test_x.py"]) is None
+    narrowed = SimpleNamespace(keyword="repeat", markexpr="gpu and not slow", deselect=["a"], lf=True, maxfail=1)
+    why = partial_selection(narrowed, ["tests/test_x.py::test_a"])
+    for part in ("-k 'repeat'", "-m 'gpu and not slow'", "test ids", "--deselect", "--lf", "-x"):
+        assert part in why, (part, why)
+
+
+@pytest.mark.slow
+def test_a_partial_run_writes_no_records(tmp_path):
+    """The real hook, loaded as a plugin into a pytest run of a probe file: with `-k` the tests no
+    longer see K3_EVIDENCE_DIR and the run says why; the whole file sees it."""
+    probe = tmp_path / "test_probe.py"
+    probe.write_text("import os\n\ndef test_probe():\n"
+                     "    open(os.environ['K3_PROBE_OUT'], 'w').write(os.environ.get('K3_EVIDENCE_DIR', '<unset>'))\n\n"
+                     "def test_other():\n    pass\n")
+    seen = tmp_path / "seen"
+    env = {**os.environ, "K3_EVIDENCE_DIR": str(tmp_path / "ev"), "K3_PROBE_OUT": str(seen)}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "vllm.models.kimi_k3.nvidia.tests.conftest",
+           "--rootdir", str(tmp_path), str(probe)]
+    part = subprocess.run([*cmd, "-k", "probe"], env=env, capture_output=True, text=True, timeout=120)
+    assert part.returncode == 0, part.stdout + part.stderr
+    assert seen.read_text() == "<unset>" and "K3_EVIDENCE_DIR ignored" in part.stdout and "-k 'probe'" in part.stdout
+    whole = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert whole.returncode == 0, whole.stdout + whole.stderr
+    assert seen.read_text() == str(tmp_path / "ev") and "K3_EVIDENCE_DIR ignored" not in whole.stdout
