@@ -5,7 +5,7 @@ against `route`.
 CPU: envelope errors (raised before any CUDA use), the tiling of every K3 per-rank shape at
 every row bucket, and compile checks for sm_90a, sm_100a and sm_103a whose PTX must show the
 design (mma.sync m16n8k16, 16-byte global loads, no local memory, a 64-bit expert offset).
-GPU (marker `gpu`, not yet run): TP1/8/16 per-rank shapes, M in {1, 2, 3, 8, 16, 33, 64}, four
+GPU (marker `gpu`): TP1/8/16 per-rank shapes, M in {1, 2, 3, 8, 16, 33, 64}, four
 router distributions (uniform, skewed, every row the same experts, padding rows/slots, an
 expert repeated within a row, which the router never emits but the kernels define), four
 input distributions, NaN-poisoned output and NaN-poisoned internal buffers (every value used
