@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from ._evidence import partial_selection
+from vllm.models.kimi_k3.nvidia.tests._evidence import partial_selection
 
 _NO_RECORDS = pytest.StashKey[str]()
 
