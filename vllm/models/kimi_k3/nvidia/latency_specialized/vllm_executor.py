@@ -42,10 +42,10 @@ class VllmExecutor:
               block_size: int, rows: Sequence[int], verify_tokens: int, inputs: str = "ids",
               ops: DecodeOps | None = None, log: Callable[[str], None] | None = None) -> VllmExecutor:
         buckets = buckets_for(rows, verify_tokens)
+        pools = pools_from_forward_context(static_forward_context, model.cfg)
         executor = SpecializedDecode(model, max_requests=max(r // q for r, q in buckets), max_len=max_model_len,
                                      buckets=buckets, ops=ops, graphs=False, block_size=block_size,
-                                     output="hidden", inputs=inputs, pools=pools_from_forward_context(static_forward_context,
-                                                                                       model.cfg), log=log)
+                                     output="hidden", inputs=inputs, pools=pools, log=log)
         return cls(executor, *metadata_layers(static_forward_context, model.cfg))
 
     def run(self, key: tuple[int, int], attn_metadata: Mapping[str, Any], input_ids: torch.Tensor | None,
