@@ -62,7 +62,7 @@ def prefill(model: ReferenceModel, state, prompts: list[list[int]]) -> list[int]
     for r, p in zip(slots, prompts):
         segs.append(state.segment(r, row, len(p), prefill=True))
         row += len(p)
-    model.forward(torch.tensor(sum(prompts, [])), segs, state)
+    model.forward(torch.tensor(sum(prompts, []), device=state.device), segs, state)
     return slots
 
 

@@ -1,8 +1,10 @@
-"""The executor inside vLLM, short of vLLM itself (issue 13), on the CPU with the reference ops:
-`VllmExecutor` over caches laid out as vLLM 0.33.0 holds them (`vllm_pools`: a request's conv and
-recurrent state in the page of one block, the latent cache in blocks of its block table), run
-from a step as vLLM's metadata holds it (`vllm_step`), gives the hidden states and writes the
-state that our own executor gives and writes for the same requests on its own pools."""
+"""The executor inside vLLM, short of vLLM itself (issue 13): `VllmExecutor` over caches laid out as
+vLLM 0.33.0 holds them (`vllm_pools`: a request's conv and recurrent state in the page of one
+block, the latent cache in blocks of its block table), run from a step as vLLM's metadata holds
+it (`vllm_step`), gives the hidden states and writes the state that our own executor gives and
+writes for the same requests on its own pools. On the CPU with the reference ops (the mini
+model); on a GPU with the CuTe DSL kernels (the shipped tiny model, inside every kernel's
+envelope), recorded as `vllm_binding_parity.json` with K3_EVIDENCE_DIR."""
 
 from __future__ import annotations
 
@@ -16,15 +18,28 @@ from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedD
 from vllm.models.kimi_k3.nvidia.latency_specialized.vllm_executor import VllmExecutor, buckets_for
 from vllm.models.kimi_k3.nvidia.reference.state import DecodeState
 
-from ._util import mini_model, paged_pools, prefill
+from ._evidence import record_parity
+from ._util import mini_model, paged_pools, prefill, rel_err
 
 BLOCK, MAX_LEN, REQUESTS, VLLM_BLOCKS = 16, 64, 2, 24
+RESULTS: list[dict] = []
+SOURCES = [f"vllm/models/kimi_k3/nvidia/{f}" for f in (
+    "latency_specialized/vllm_executor.py", "latency_specialized/vllm_pools.py", "latency_specialized/vllm_step.py",
+    "latency_specialized/executor.py", "latency_specialized/decode_ops.py", "reference/state.py",
+    "kernels/kda_decode.py", "kernels/mla_decode.py", "kernels/mla_cache_write.py")]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def record():
+    yield
+    record_parity("vllm_binding_parity.json", "vllm-binding", "vllm/models/kimi_k3/nvidia/tests/test_vllm_binding.py",
+                  SOURCES, RESULTS)
 
 
 def _vllm_caches(model, q: int, block: int = BLOCK):
     """vLLM-style caches for `model` (VLLM_BLOCKS blocks, NaN-filled), as its static forward context."""
     blank = DecodeState(model.cfg, model.shard, max_requests=VLLM_BLOCKS - 1, max_len=block, max_q=q,
-                        block_size=block)
+                        block_size=block, device=model.w.embed.device)
     (kda, mla), _ = paged_pools(blank)
     for st in kda.values():
         st.rec.fill_(float("nan"))
@@ -41,60 +56,92 @@ def test_a_decode_step_on_vllms_pools_and_metadata_equals_ours(q, inputs):
     """q = 1: a plain decode step; q = 3: a verify step (vLLM: spec_state_indices [B, q], the state
     after token t into column t, the conv window in the first column's page); the step starting
     from token ids, or from the embeddings vLLM's multimodal runner passes instead."""
-    model, rng = mini_model(seed=0), random.Random(q)
+    _step_on_vllms_layout(mini_model(seed=0), None, BLOCK, MAX_LEN, q, inputs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("q, inputs", [(1, "ids"), (3, "ids"), (1, "embeddings")])
+def test_on_the_kernels_a_decode_step_on_vllms_pools_and_metadata_equals_ours(q, inputs):
+    """The same on the H200 with the CuTe DSL kernels on both sides (KDA on page-strided pools,
+    MLA over vLLM's block tables, the cache write at vLLM's slot mapping), block size 64."""
+    from vllm.models.kimi_k3.nvidia.evals.tiny import config_named, shipped_weights
+    from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import KernelOps
+    from vllm.models.kimi_k3.nvidia.latency_specialized.weights import SafetensorsSource, load_rank
+    from vllm.models.kimi_k3.nvidia.reference.model import ReferenceModel
+
+    cfg = config_named("tiny")
+    tiny = ReferenceModel(cfg, load_rank(SafetensorsSource(shipped_weights("tiny")), cfg, device="cuda"))
+    _step_on_vllms_layout(tiny, KernelOps, 64, 256, q, inputs)
+
+
+def _step_on_vllms_layout(model, ops, block: int, max_len: int, q: int, inputs: str) -> None:
+    """One step of two requests through our executor on its own pools and through `VllmExecutor` on
+    vLLM-laid-out caches with vLLM-style metadata: equal hidden states and written state. `ops`:
+    the op table's class (None: the executor's default for the device)."""
+    rng, dev = random.Random(q), model.w.embed.device
     key = (REQUESTS * q, q)
-    kw = {"max_requests": REQUESTS, "max_len": MAX_LEN, "buckets": [key], "graphs": False,
-          "block_size": BLOCK, "output": "hidden", "log": lambda _: None}
-    own = SpecializedDecode(model, **kw)
+    kw = {"max_requests": REQUESTS, "max_len": max_len, "buckets": [key], "graphs": False,
+          "block_size": block, "output": "hidden", "log": lambda _: None}
+    own = SpecializedDecode(model, **kw, ops=None if ops is None else ops())
     slots = prefill(model, own.state, [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [19, 20, 21]])
-    ctx, kda, mla = _vllm_caches(model, q)
-    vex = VllmExecutor.build(model, ctx, max_model_len=MAX_LEN, block_size=BLOCK, rows=[REQUESTS * q],
-                             verify_tokens=q, inputs=inputs, log=lambda _: None)
-    assert (vex.kda_layer, vex.mla_layer) == ("model.layers.0.self_attn", "model.layers.2.self_attn.attn")
+    ctx, kda, mla = _vllm_caches(model, q, block)
+    vex = VllmExecutor.build(model, ctx, max_model_len=max_len, block_size=block, rows=[REQUESTS * q],
+                             verify_tokens=q, inputs=inputs, ops=None if ops is None else ops(), log=lambda _: None)
+    kda_first = min(i for i in range(model.cfg.num_hidden_layers) if model.cfg.layer_kind(i) == "kda")
+    mla_first = min(i for i in range(model.cfg.num_hidden_layers) if model.cfg.layer_kind(i) != "kda")
+    assert (vex.kda_layer, vex.mla_layer) == (f"model.layers.{kda_first}.self_attn",
+                                              f"model.layers.{mla_first}.self_attn.attn")
 
     # place each request where vLLM would: its state in one block's page, its tokens in its own blocks
     free = rng.sample(range(1, VLLM_BLOCKS), VLLM_BLOCKS - 1)
     bpr = vex.executor.state.blocks_per_req
     state_blocks = [[free.pop() for _ in range(q)] for _ in slots]
-    tables = [[free.pop() for _ in range(-(-(own.state.seq_lens[r] + q) // BLOCK))] for r in slots]
+    tables = [[free.pop() for _ in range(-(-(own.state.seq_lens[r] + q) // block))] for r in slots]
     for b, r in enumerate(slots):
         for i, st in kda.items():  # after a prefill the state is in the first slot (accepted = 1)
             st.conv[state_blocks[b][0]] = own.state.kda[i].conv[own.state.conv_slot(r)]
             st.rec[state_blocks[b][0]] = own.state.kda[i].rec[own.state.rec_slot(r, 0)]
         for p in range(own.state.seq_lens[r]):
             for i, st in mla.items():
-                st.cache[tables[b][p // BLOCK], p % BLOCK] = own.state.mla[i].cache[own.state.block_table[r, p // BLOCK],
-                                                                                   p % BLOCK]
-    ids = torch.tensor([33, 44, 55, 66, 77, 88][:REQUESTS * q])
+                st.cache[tables[b][p // block], p % block] = own.state.mla[i].cache[own.state.block_table[r, p // block],
+                                                                                   p % block]
+    ids = torch.tensor([33, 44, 55, 66, 77, 88][:REQUESTS * q], device=dev)
     pos = [own.state.seq_lens[r] for r in slots]
     want = own(ids, [own.state.segment(r, b * q, q, prefill=False) for b, r in enumerate(slots)], own.state)
 
     # the step as vLLM's metadata holds it, keyed by layer prefix (vLLM 0.33.0's GDN and MLA metadata)
-    states = torch.tensor(state_blocks, dtype=torch.int32)
+    states = torch.tensor(state_blocks, dtype=torch.int32, device=dev)
     kda_md = SimpleNamespace(num_decodes=REQUESTS if q == 1 else 0, num_spec_decodes=0 if q == 1 else REQUESTS,
                              non_spec_state_indices_tensor=states[:, 0], spec_state_indices_tensor=states,
-                             num_accepted_tokens=torch.ones(REQUESTS, dtype=torch.int32))
+                             num_accepted_tokens=torch.ones(REQUESTS, dtype=torch.int32, device=dev))
     mla_md = SimpleNamespace(
-        decode=SimpleNamespace(block_table=torch.tensor([t + [0] * (bpr - len(t)) for t in tables], dtype=torch.int32),
-                               seq_lens=torch.tensor([p + q for p in pos], dtype=torch.int32)),
-        slot_mapping=torch.tensor([tables[b][t // BLOCK] * BLOCK + t % BLOCK
-                                   for b, p in enumerate(pos) for t in range(p, p + q)]))
+        decode=SimpleNamespace(block_table=torch.tensor([t + [0] * (bpr - len(t)) for t in tables], dtype=torch.int32,
+                                                        device=dev),
+                               seq_lens=torch.tensor([p + q for p in pos], dtype=torch.int32, device=dev)),
+        slot_mapping=torch.tensor([tables[b][t // block] * block + t % block
+                                   for b, p in enumerate(pos) for t in range(p, p + q)], device=dev))
     md = {vex.kda_layer: kda_md, vex.mla_layer: mla_md}
     if inputs == "ids":
         got = vex.run(key, md, ids, None, REQUESTS * q)
     else:  # vLLM embedded the tokens (a TP1 embedding is the table's row) and passes no ids
         got = vex.run(key, md, None, None, REQUESTS * q, inputs_embeds=model.w.embed[ids])
 
-    assert got.shape == (REQUESTS * q, model.cfg.hidden_size) and torch.equal(got, want)
-    for b, r in enumerate(slots):  # the state the step wrote, where each side keeps it
-        for i, st in kda.items():
-            assert torch.equal(st.conv[state_blocks[b][0]], own.state.kda[i].conv[own.state.conv_slot(r)])
-            for t in range(q):
-                assert torch.equal(st.rec[state_blocks[b][t]], own.state.kda[i].rec[own.state.rec_slot(r, t)])
-        for i, st in mla.items():
-            for t in range(pos[b], pos[b] + q):
-                assert torch.equal(st.cache[tables[b][t // BLOCK], t % BLOCK],
-                                   own.state.mla[i].cache[own.state.block_table[r, t // BLOCK], t % BLOCK])
+    written = all(
+        torch.equal(st.conv[state_blocks[b][0]], own.state.kda[i].conv[own.state.conv_slot(r)])
+        and all(torch.equal(st.rec[state_blocks[b][t]], own.state.kda[i].rec[own.state.rec_slot(r, t)])
+                for t in range(q))
+        for b, r in enumerate(slots) for i, st in kda.items())
+    written = written and all(
+        torch.equal(st.cache[tables[b][t // block], t % block],
+                    own.state.mla[i].cache[own.state.block_table[r, t // block], t % block])
+        for b, r in enumerate(slots) for i, st in mla.items() for t in range(pos[b], pos[b] + q))
+    equal = got.shape == (REQUESTS * q, model.cfg.hidden_size) and torch.equal(got, want)
+    if dev.type == "cuda":
+        RESULTS.append({"name": f"tiny, kernels: q{q} from {inputs}, vLLM layout vs ours", "hidden_equal": equal,
+                        "hidden_rel_err": rel_err(got.float(), want.float()), "state_equal": written,
+                        "status": "pass" if equal and written else "fail"})
+    assert equal, rel_err(got.float(), want.float())
+    assert written
 
 
 def test_buckets_cover_every_row_count_and_whole_verify_requests():
