@@ -14,8 +14,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from vllm.models.kimi_k3.nvidia.evals.tiny import config_named, shipped_weights
+from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import KernelOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.latency_specialized.vllm_executor import VllmExecutor, buckets_for
+from vllm.models.kimi_k3.nvidia.latency_specialized.weights import SafetensorsSource, load_rank
+from vllm.models.kimi_k3.nvidia.reference.model import ReferenceModel
 from vllm.models.kimi_k3.nvidia.reference.state import DecodeState
 
 from ._evidence import record_parity
@@ -64,11 +68,6 @@ def test_a_decode_step_on_vllms_pools_and_metadata_equals_ours(q, inputs):
 def test_on_the_kernels_a_decode_step_on_vllms_pools_and_metadata_equals_ours(q, inputs):
     """The same on the H200 with the CuTe DSL kernels on both sides (KDA on page-strided pools,
     MLA over vLLM's block tables, the cache write at vLLM's slot mapping), block size 64."""
-    from vllm.models.kimi_k3.nvidia.evals.tiny import config_named, shipped_weights
-    from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import KernelOps
-    from vllm.models.kimi_k3.nvidia.latency_specialized.weights import SafetensorsSource, load_rank
-    from vllm.models.kimi_k3.nvidia.reference.model import ReferenceModel
-
     cfg = config_named("tiny")
     tiny = ReferenceModel(cfg, load_rank(SafetensorsSource(shipped_weights("tiny")), cfg, device="cuda"))
     _step_on_vllms_layout(tiny, KernelOps, 64, 256, q, inputs)
