@@ -21,7 +21,7 @@ def partial_selection(option: Any, args: Sequence[str]) -> str | None:
         why.append("test ids")
     if getattr(option, "deselect", None):
         why.append("--deselect")
-    if getattr(option, "lf", False) or getattr(option, "last_failed", False):
+    if getattr(option, "lf", False):
         why.append("--lf")
     if getattr(option, "maxfail", 0):
         why.append(f"--maxfail {option.maxfail} / -x")
