@@ -6,7 +6,7 @@
 #    they are uninstalled again (nothing of vLLM's text path needs them);
 # 2. `pip install .` over it: every file vLLM ships in vllm/models/kimi_k3/nvidia/ must be
 #    there afterwards, byte for byte, and the only new files are this package's;
-# 3. the tests of test_vllm_hook.py and test_vllm_step.py against the installed copy, with the tests that need
+# 3. the tests of test_vllm_hook.py, test_vllm_step.py and test_vllm_collective.py against the installed copy, with the tests that need
 #    vLLM required to run (K3_REQUIRE_VLLM=1 turns their skip into a failure);
 # 4. `pip uninstall` of this package: vLLM's files are intact and none of ours is left.
 #
@@ -69,7 +69,8 @@ EOF
 step "tests against the installed copy"
 # from outside the checkout, so `vllm` is the installed package with the overlay inside it
 (cd "$SNAP" && K3_REQUIRE_VLLM=1 "$PY" -m pytest -q -p no:cacheprovider -rs \
-    --pyargs vllm.models.kimi_k3.nvidia.tests.test_vllm_hook vllm.models.kimi_k3.nvidia.tests.test_vllm_step)
+    --pyargs vllm.models.kimi_k3.nvidia.tests.test_vllm_hook vllm.models.kimi_k3.nvidia.tests.test_vllm_step \
+    vllm.models.kimi_k3.nvidia.tests.test_vllm_collective)
 
 step "pip uninstall: vLLM intact, nothing of ours left"
 "$PY" -m pip uninstall -y -q kimi-k3-latency-specialized

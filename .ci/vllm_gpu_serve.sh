@@ -13,6 +13,10 @@ PORT="${K3_SERVE_PORT:-8765}"
 VENV="${RUNNER_TEMP:-/tmp}/k3-vllm-serve-venv"
 LOG="${RUNNER_TEMP:-/tmp}/k3-vllm-serve.log"
 
+# NVLink multicast off, as on every shared H200 host (distributed.py's MULTICAST_OFF): vLLM's
+# own NCCL and symmetric-memory collectives would otherwise use it
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+
 python3 -m venv "$VENV"
 "$VENV/bin/pip" install -q vllm==0.33.0
 "$VENV/bin/pip" install -q --no-deps .
@@ -42,4 +46,7 @@ complete '{"model": "'"$MODEL_DIR"'", "prompt": "Answer in JSON:", "max_tokens":
 
 grep -m1 "Kimi K3 latency_specialized decode O[NF]" "$LOG"
 grep -q "Kimi K3 latency_specialized decode ON" "$LOG" || { echo "the backend did not turn on"; exit 1; }
+# built over vLLM's caches at the first warm-up forward, and never turned off afterwards
+grep -q "the specialized executor runs admitted steps" "$LOG" || { echo "the executor was not built"; exit 1; }
+if grep -m1 "Kimi K3 latency_specialized decode OFF:" "$LOG"; then echo "the backend turned itself off"; exit 1; fi
 grep -m3 "Kimi K3 latency_specialized" "$LOG"

@@ -1,16 +1,17 @@
 """Benchmark of the KDA decode kernel against the reference math in torch, eager and torch.compile.
 
-Cases: one KDA layer's core (after the in_proj and f_b GEMMs, before o_proj) per rank at TP16
-(6 heads) and TP8 (12 heads): plain decode, q = 1 at rows 1..64, and verify steps, q = 8 at rows
+Cases: one KDA layer's core (after the in_proj and f_b GEMMs, before o_proj) per rank at TP16 (6
+heads) and TP8 (12 heads): plain decode, q = 1 at rows 1..64, and verify steps, q = 8 at rows
 8..64 (R = rows / q requests, every request live, accepted = 1). Ours runs at every split (CTAs
 per (request, head)); the heuristic's split is the headline figure. The baseline is `torch_step`
-below: reference/kda.py's own functions (decay_log_alpha, _l2_normalize, gated_delta_rule_recurrent
-with the requests folded into the head axis, _gated_rms_norm) batched over requests, with the
-conv and the slot gathers / scatters written as batched torch ops (the reference layer loops over
-requests in Python, which neither a CUDA graph nor torch.compile would keep), in eager and under
-torch.compile(dynamic=True). Each is timed as a CUDA graph of back-to-back launches with CUDA
-events, median of 10 replays after 2; the launches of one graph rotate over disjoint slot sets
-of one state pool, so a replay touches more than 3× the 60 MB L2 where that fits in 512 launches
+below: reference/kda.py's own functions (decay_log_alpha, _l2_normalize,
+gated_delta_rule_recurrent with the requests folded into the head axis, _gated_rms_norm) batched
+over requests, with the conv and the slot gathers / scatters written as batched torch ops (the
+reference layer loops over requests in Python, which neither a CUDA graph nor torch.compile
+would keep), in eager and under torch.compile(dynamic=True), compiled afresh for each (heads, q,
+one request or more). Each is timed as a CUDA graph of back-to-back launches with CUDA events,
+median of 10 replays after 2; the launches of one graph rotate over disjoint slot sets of one
+state pool, so a replay touches more than 3× the 60 MB L2 where that fits in 512 launches
 (`cold_l2` per case). The floor of a launch is its bytes (state read once and written once per
 token, conv taps read and the new window written, z's q|k|v|g_out|β columns, g_raw, the output,
 the parameters) over the device-to-device copy bandwidth measured in the same run;
@@ -223,13 +224,18 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     copy_bw = copy_bandwidth_TBps()
     launch_us = launch_floor_us()
-    compiled = None if args.no_compile else torch.compile(torch_step, dynamic=True)
     gen = torch.Generator(device="cuda").manual_seed(6900)
-    results = []
+    results, compiled, compiled_for = [], None, None
     for tp in args.heads:
         for q in args.q:
             for rows in ROWS[q]:
                 case = KdaCase(HEADS[tp], q, rows // q, gen)
+                # Compiled afresh whenever a recompile would come (torch specializes a batch of one
+                # request; heads and q are loop bounds): on the H200 (torch 2.11) a dynamic recompile
+                # of this function failed to build its guards ("sources must not be empty for symbol").
+                if not args.no_compile and compiled_for != (tp, q, case.requests == 1):
+                    torch._dynamo.reset()
+                    compiled, compiled_for = torch.compile(torch_step, dynamic=True), (tp, q, case.requests == 1)
                 results.append(run_case(case, copy_bw, launch_us, compiled))
                 del case
                 torch.cuda.empty_cache()
@@ -239,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                      "bench_kda_decode " + " ".join(argv if argv is not None else sys.argv[1:]),
                      SOURCES, results, targets, copy_bandwidth_TBps=copy_bw,
                      extra={"timing": "CUDA graph of back-to-back launches over disjoint slot sets of one pool, "
-                                      "median of 10 replays after 2; torch.compile(dynamic=True) of torch_step",
+                                      "median of 10 replays after 2; torch.compile(dynamic=True) of torch_step, "
+                                      "compiled afresh per (heads, q, one request or more)",
                             "launch_floor_us": launch_us, "wall_s": time.time() - t0})
     nan = float("nan")
     print(f"copy bandwidth {copy_bw:.2f} TB/s; empty-kernel launch in a graph {launch_us:.2f} us; "

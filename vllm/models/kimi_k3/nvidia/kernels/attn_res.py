@@ -51,6 +51,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32, const_expr
 
+from .device import facts
 from .rms_norm import (
     VEC,
     block_sums,
@@ -60,7 +61,6 @@ from .rms_norm import (
     check_vector,
     copy_if,
     current_stream,
-    device_arch,
     gmem_ptr,
     need,
     pow2_at_least,
@@ -325,7 +325,6 @@ def _check(blocks: torch.Tensor | None, n_blocks: int, prefix: torch.Tensor | No
 
 
 _COMPILED: dict[tuple[AttnResPlan, str], Any] = {}
-_SM_COUNT: dict[torch.device, int] = {}
 
 
 def launch(blocks: torch.Tensor | None, n_blocks: int, prefix: torch.Tensor | None, norm_w: torch.Tensor,
@@ -344,9 +343,7 @@ def launch(blocks: torch.Tensor | None, n_blocks: int, prefix: torch.Tensor | No
     dev = anchor.device
     if out is None:
         out = torch.empty((m, h), dtype=torch.bfloat16, device=dev)
-    if dev not in _SM_COUNT:
-        _SM_COUNT[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-    tiling = tiling or choose_tiling(m, _SM_COUNT[dev], h)
+    tiling = tiling or choose_tiling(m, facts(dev).sm_count, h)
     need(tiling.covers(h), "attn_res", f"{tiling} does not tile H={h}")
 
     def stride(t: torch.Tensor | None, dim: int = 0) -> int:
@@ -356,7 +353,7 @@ def launch(blocks: torch.Tensor | None, n_blocks: int, prefix: torch.Tensor | No
                        prefix is not None, stride(prefix), addend is not None, stride(addend),
                        live_out is not None, stride(live_out), out_w is not None, mix_out is not None,
                        stride(mix_out), out.stride(0), tiling)
-    key = (plan, device_arch(dev))
+    key = (plan, facts(dev).arch)
     fn = _COMPILED.get(key)
     if fn is None:
         fn = _COMPILED[key] = compile_attn_res(plan, key[1])

@@ -32,6 +32,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Constexpr, Int32, Int64
 
+from .device import facts
 from .rms_norm import (
     MAX_WIDTH,
     VEC,
@@ -40,7 +41,6 @@ from .rms_norm import (
     check_rows,
     copy_if,
     current_stream,
-    device_arch,
     gmem_ptr,
     need,
     row_split,
@@ -140,7 +140,7 @@ def launch(ids: torch.Tensor, table: torch.Tensor, vocab_start: int, vocab_size:
     if out is None:
         out = torch.empty((m, table.shape[1]), dtype=torch.bfloat16, device=ids.device)
     plan = EmbeddingPlan(table.shape[0], out.stride(0), ids.dtype == torch.int64, table.shape[1])
-    key = (plan, device_arch(ids.device))
+    key = (plan, facts(ids.device).arch)
     fn = _COMPILED.get(key)
     if fn is None:
         fn = _COMPILED[key] = compile_embedding(plan, key[1])

@@ -1,8 +1,7 @@
 """KDA decode and speculative verify in one kernel: short conv, gates, gated delta rule, gated norm.
 
-Status: compiled (sm_90a, sm_100a, sm_103a); on the H200 only a first smoke has run (2026-12-02:
-test_matches_reference for 6/12/96 heads and test_all_padding_rows_are_zero passed); the
-full GPU test, benchmark and sanitizer evidence are pending.
+Compiled for sm_90a, sm_100a and sm_103a. Evidence (H200): `evidence/h200/kda_decode_test.json`,
+`kda_decode_bench.json`, `kda_decode_sanitizer.json`.
 
 Math (K3_MATH.md §3.4 steps 3-8, §4; reference: `reference/kda.py::kda_attention`, decode
 segments, in its documented precision variant). Per request r with q tokens (rows r·q + t),
@@ -29,8 +28,9 @@ q = 1..8 tokens each, N = R·q = 1..64 rows; z `[N, ≥ 4P + 128 + h]` bf16 (the
 q | k | v | g_out | f_a | β_raw | pad, P = 128·h), g_raw `[N, P]` bf16 (f_b output), out
 `[N, P]` bf16: rows contiguous, row stride a multiple of 8, 16-byte aligned; w_conv fp32
 `[3P, 4]`, A_log fp32 `[h]`, dt_bias fp32 `[P]`, o_norm bf16 `[128]`; rec fp32
-`[S, h, 128 (value), 128 (key)]` and conv bf16 `[S_c, 2 + max_q, 3P]` contiguous (max_q ≥ q,
-each pool < 2^31 elements); conv_slot, rec_read_slot, accepted int32 `[R]`, rec_slots int32
+`[S, h, 128 (value), 128 (key)]` and conv bf16 `[S_c, 2 + max_q, 3P]`, each slot contiguous and
+slots any multiple of 16 bytes apart (vLLM's pools are views into its cache pages; max_q ≥ q,
+each pool spanning < 2^31 elements); conv_slot, rec_read_slot, accepted int32 `[R]`, rec_slots int32
 `[R, q]`; lower bound lb in [-5, 0) (K3's gate; the unbounded softplus gate is not built).
 
 Design (memory-bound: each value row of S is read once and written once per token):
@@ -76,7 +76,8 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32
 
-from .rms_norm import block_sums, current_stream, device_arch, gmem_ptr, pow2_at_least
+from .device import facts
+from .rms_norm import block_sums, current_stream, gmem_ptr, pow2_at_least
 
 HEAD_DIM = 128
 CONV_WIDTH = 4
@@ -108,6 +109,8 @@ class KdaDecodePlan:
     g_stride: int
     out_stride: int
     split: int  # CTAs per (request, head)
+    rec_slot_stride: int  # elements from one slot to the next: h·128·128 in our pools, a page in vLLM's
+    conv_slot_stride: int  # likewise, (2 + max_q)·3P in our pools
 
     @property
     def value_rows(self) -> int:
@@ -236,9 +239,8 @@ def _kda_decode_kernel(z_ptr: cute.Pointer, graw_ptr: cute.Pointer, convw_ptr: c
     dt_v = _vectors(dt_ptr, (1, p), (p, 1), 4)
     on_v = _vectors(onorm_ptr, (1, HEAD_DIM), (HEAD_DIM, 1), 8)
     rec_v = _vectors(rec_ptr, (rec_pool, h, HEAD_DIM, HEAD_DIM),
-                     (h * HEAD_DIM * HEAD_DIM, HEAD_DIM * HEAD_DIM, HEAD_DIM, 1), 4)
-    conv_v = _vectors(conv_ptr, (conv_pool, plan.conv_positions, 3 * p),
-                      (plan.conv_positions * 3 * p, 3 * p, 1), 4)
+                     (plan.rec_slot_stride, HEAD_DIM * HEAD_DIM, HEAD_DIM, 1), 4)
+    conv_v = _vectors(conv_ptr, (conv_pool, plan.conv_positions, 3 * p), (plan.conv_slot_stride, 3 * p, 1), 4)
     out_v = _vectors(out_ptr, (n, p), (plan.out_stride, 1), 8)
     per_req = cute.make_layout(requests)
     conv_slots = cute.make_tensor(conv_slot_ptr, per_req)
@@ -430,6 +432,27 @@ def _check(name: str, t: Any, shape: tuple, dtype: torch.dtype, align: int = 16,
               f"{name} must be contiguous and {align}-byte aligned; call .contiguous()")
 
 
+def _check_pool(name: str, t: Any, slot_shape: tuple, dtype: torch.dtype) -> None:
+    """A state pool [slots, *slot_shape]: each slot contiguous, slots any whole number of 16-byte
+    vectors apart (our pools are contiguous; vLLM's are strided views into its cache pages)."""
+    want = "[·, " + ", ".join("·" if s is None else str(s) for s in slot_shape) + "]"
+    _need(isinstance(t, torch.Tensor), f"{name} must be a torch tensor, got {type(t).__name__}")
+    _need(t.dim() == 1 + len(slot_shape) and all(s is None or s == n for s, n in zip(slot_shape, t.shape[1:])),
+          f"{name} must be {want}, got {list(t.shape)}")
+    _need(t.dtype == dtype, f"{name} must be {str(dtype).removeprefix('torch.')}, got "
+          f"{str(t.dtype).removeprefix('torch.')}; cast it first")
+    inner = t[0] if t.shape[0] else t.new_empty(t.shape[1:])
+    _need(t.shape[0] > 0 and inner.is_contiguous() and t.stride(0) >= inner.numel(),
+          f"{name} must hold each slot contiguously (strides {tuple(t.stride())} for shape {list(t.shape)}); "
+          "slots may be further apart than a slot's size, never overlap")
+    _need(t.data_ptr() % 16 == 0 and t.stride(0) * t.element_size() % 16 == 0,
+          f"{name} slots must start on 16-byte boundaries (data_ptr {t.data_ptr()}, slot stride "
+          f"{t.stride(0)} elements of {t.element_size()} bytes)")
+    span = (t.shape[0] - 1) * t.stride(0) + inner.numel()
+    _need(span <= MAX_POOL_ELEMS, f"the {name} pool spans {span} elements; the kernel indexes up to "
+          f"{MAX_POOL_ELEMS} (32-bit offsets): use fewer slots per pool")
+
+
 def _span(t: torch.Tensor) -> tuple[int, int]:
     last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
     return t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size()
@@ -458,13 +481,10 @@ def check_envelope(z: torch.Tensor, g_raw: torch.Tensor, conv_weight: torch.Tens
     _check("conv_weight", conv_weight, (3 * p, CONV_WIDTH), torch.float32)
     _check("dt_bias", dt_bias, (p,), torch.float32)
     _check("o_norm", o_norm, (HEAD_DIM,), torch.bfloat16)
-    _check("rec", rec, (None, heads, HEAD_DIM, HEAD_DIM), torch.float32)
-    _check("conv", conv, (None, None, 3 * p), torch.bfloat16)
+    _check_pool("rec", rec, (heads, HEAD_DIM, HEAD_DIM), torch.float32)
+    _check_pool("conv", conv, (None, 3 * p), torch.bfloat16)
     _need(2 + q <= conv.shape[1] <= 2 + MAX_Q,
           f"conv holds {conv.shape[1]} positions; a step of q={q} needs 2 + max_q with q <= max_q <= {MAX_Q}")
-    for name, t in (("rec", rec), ("conv", conv)):
-        _need(0 < t.numel() <= MAX_POOL_ELEMS, f"the {name} pool has {t.numel()} elements; the kernel indexes "
-              f"up to {MAX_POOL_ELEMS} (32-bit offsets): use fewer slots per pool")
     _need(isinstance(lower_bound, (int, float)) and -5.0 <= lower_bound < 0.0,
           f"lower_bound={lower_bound!r}: the kernel computes K3's bounded gate lb·σ(A·(g+dt)) with lb in [-5, 0); "
           "the unbounded softplus gate runs on the reference path")
@@ -485,7 +505,6 @@ def check_envelope(z: torch.Tensor, g_raw: torch.Tensor, conv_weight: torch.Tens
 
 
 _COMPILED: dict[tuple[KdaDecodePlan, str], Any] = {}
-_SM_COUNT: dict[torch.device, int] = {}
 
 
 def launch(z: torch.Tensor, g_raw: torch.Tensor, conv_weight: torch.Tensor, A_log: torch.Tensor,
@@ -507,12 +526,11 @@ def launch(z: torch.Tensor, g_raw: torch.Tensor, conv_weight: torch.Tensor, A_lo
     if out is None:
         out = torch.empty((requests * q, heads * HEAD_DIM), dtype=torch.bfloat16, device=dev)
     if split is None:
-        if dev not in _SM_COUNT:
-            _SM_COUNT[dev] = torch.cuda.get_device_properties(dev).multi_processor_count
-        split = choose_split(requests, heads, _SM_COUNT[dev])
+        split = choose_split(requests, heads, facts(dev).sm_count)
     _need(split in SPLITS, f"split={split} is not one of {SPLITS}")
-    plan = KdaDecodePlan(heads, q, conv.shape[1], z.stride(0), g_raw.stride(0), out.stride(0), split)
-    key = (plan, device_arch(dev))
+    plan = KdaDecodePlan(heads, q, conv.shape[1], z.stride(0), g_raw.stride(0), out.stride(0), split, rec.stride(0),
+                         conv.stride(0))
+    key = (plan, facts(dev).arch)
     fn = _COMPILED.get(key)
     if fn is None:
         fn = _COMPILED[key] = compile_kda_decode(plan, key[1])

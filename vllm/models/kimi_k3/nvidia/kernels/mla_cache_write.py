@@ -42,6 +42,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, const_expr
 
+from .device import facts
 from .rms_norm import (
     VEC,
     check_devices,
@@ -49,7 +50,6 @@ from .rms_norm import (
     check_rows,
     check_vector,
     current_stream,
-    device_arch,
     gmem_ptr,
     need,
     row_rrms,
@@ -177,7 +177,7 @@ def launch(kv_c: torch.Tensor, k_pe: torch.Tensor, gamma: torch.Tensor, eps: flo
     m = kv_c.shape[0]
     plan = CacheWritePlan(kv_c.stride(0), k_pe.stride(0), 0 if latent_out is None else latent_out.stride(0),
                           latent_out is not None)
-    key = (plan, device_arch(kv_c.device))
+    key = (plan, facts(kv_c.device).arch)
     fn = _COMPILED.get(key)
     if fn is None:
         fn = _COMPILED[key] = compile_mla_cache_write(plan, key[1])

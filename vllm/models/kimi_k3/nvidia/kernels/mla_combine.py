@@ -1,8 +1,7 @@
 """Combine of the KV splits of MLA decode attention: ol = Σ_s w_s O_s / Σ_s w_s ℓ_s.
 
-**Status: compiled (sm_90a, sm_100a, sm_103a); on the H200 only a first smoke has run
-(2026-12-02: test_mixed_lengths_match_reference, 6 cases, passed); the full GPU test,
-benchmark and sanitizer evidence are pending.**
+Compiled for sm_90a, sm_100a and sm_103a. Evidence (H200), with `mla_decode.py` that launches
+it: `evidence/h200/mla_decode_test.json`, `mla_decode_bench.json`.
 
 Math: split s of a query row left an unnormalized FP32 partial O_s = Σ_{t ∈ s} 2^(x_t − m_s) c_t
 with its max m_s and sum ℓ_s = Σ_{t ∈ s} 2^(x_t − m_s) (x = scores in log2 units, written by

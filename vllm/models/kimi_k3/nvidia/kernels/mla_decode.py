@@ -1,11 +1,8 @@
 """MLA absorbed decode attention over the paged latent cache, split over the KV length.
 
-**Status: compiled (sm_90a, sm_100a, sm_103a; every plan of `sweep_plans` for sm_90a without
-spills) and CPU-tested (schedule, split model, PTX). The GPU-tested design (4 warps, 32-token
-chunks, 4-stage ring, 32-row tiles, four waves; 2.5 TB/s at best) is superseded by the one
-below. The new design is pending its H200 test and benchmark evidence: one informal H200 run
-(2026-12-03, no evidence record) passed this file's GPU tests and a side-by-side timing of the
-`sweep_plans` variants, which chose the defaults below.**
+Compiled for sm_90a, sm_100a and sm_103a (every plan of `sweep_plans` for sm_90a without
+spills). Evidence (H200): `evidence/h200/mla_decode_test.json`, `mla_decode_bench.json` (the
+benchmark times the `sweep_plans` variants side by side; the defaults below are its choice).
 
 Math (K3_MATH.md §3.5 (6); `reference/mla.py::attend_absorbed` is the oracle, read up to its
 latent output ol, before W_UV): for every query row i of a request, with q_lat_i = [ql | q_pe]
@@ -87,7 +84,8 @@ import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64
 
 from . import mla_combine
-from .rms_norm import device_arch, gmem_ptr
+from .device import DeviceFacts, facts
+from .rms_norm import gmem_ptr
 
 LATENT = 512  # r_kv: the value width
 ROW = 576  # r_kv + d_r: one cache row, one q_lat row
@@ -729,39 +727,17 @@ def default_target(sm_count: int, plan: DecodePlan | None = None) -> int:
 MIN_CHUNKS = DecodePlan(1, 1, 1).min_chunks  # the default plan's fewest chunks worth a split
 
 
-class _DeviceState:
-    """Per-device facts and the shared split workspaces."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.arch = device_arch(device)
-        self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-        self.device = device
-        self._scratch: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-
-    def scratch(self, slots: int, tile_rows: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """FP32 partial outputs [slots, tile_rows, 512], their (max, sum) [slots, tile_rows, 2]
-        and the per-slot records [slots, INFO] int32: one set per grid shape, kept for the
-        process (captured graphs point at them; the kernels rewrite what they read)."""
-        key = (slots, tile_rows)
-        if key not in self._scratch:
-            self._scratch[key] = (
-                torch.empty(slots * tile_rows * LATENT, dtype=torch.float32, device=self.device),
-                torch.empty(slots * tile_rows * 2, dtype=torch.float32, device=self.device),
-                torch.empty(slots * INFO, dtype=torch.int32, device=self.device),
-            )
-        return self._scratch[key]
+def _split_scratch(dev: DeviceFacts, slots: int, tile_rows: int) -> tuple[torch.Tensor, ...]:
+    """FP32 partial outputs [slots, tile_rows, 512], their (max, sum) [slots, tile_rows, 2] and
+    the per-slot records [slots, INFO] int32, one set per grid shape (the kernels rewrite what
+    they read)."""
+    return dev.scratch(("mla_decode", slots, tile_rows), lambda d: (
+        torch.empty(slots * tile_rows * LATENT, dtype=torch.float32, device=d),
+        torch.empty(slots * tile_rows * 2, dtype=torch.float32, device=d),
+        torch.empty(slots * INFO, dtype=torch.int32, device=d)))
 
 
-_DEVICES: dict[torch.device, _DeviceState] = {}
 _COMPILED: dict[tuple[tuple[int, ...], str], Any] = {}
-
-
-def _device_state(device: torch.device) -> _DeviceState:
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _DEVICES:
-        _DEVICES[device] = _DeviceState(device)
-    return _DEVICES[device]
 
 
 def launch(q_lat: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
@@ -789,7 +765,7 @@ def launch(q_lat: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
     _need(positions <= 2 ** 30 and requests * -(-positions // plan.chunk) * plan.max_tiles < 2 ** 31,
           f"block_table covers {positions} positions per request, too many for the int32 schedule; "
           "shorten max_blocks")
-    dev = _device_state(q_lat.device)
+    dev = facts(q_lat.device)
     target = target or default_target(dev.sm_count, plan)
     min_chunks = plan.min_chunks if min_chunks is None else min_chunks
     _need(target >= 1 and min_chunks >= 1, f"target={target} and min_chunks={min_chunks} must be >= 1")
@@ -798,7 +774,7 @@ def launch(q_lat: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
     fn = _COMPILED.get(key)
     if fn is None:
         fn = _COMPILED[key] = compile_mla_decode(plan, dev.arch)
-    ws_o, ws_ml, info = dev.scratch(slots, plan.tile_rows)
+    ws_o, ws_ml, info = _split_scratch(dev, slots, plan.tile_rows)
     if out is None:
         out = torch.empty((rows, heads, LATENT), dtype=torch.bfloat16, device=q_lat.device)
     stream = torch.cuda.current_stream(q_lat.device) if stream is None else stream

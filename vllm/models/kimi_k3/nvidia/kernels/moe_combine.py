@@ -1,6 +1,7 @@
 """Weighted sum of the routed experts' outputs per decode row (the last step of moe_experts).
 
-STATUS: compiled (sm_90a, sm_100a, sm_103a), not yet run on a GPU.
+Compiled for sm_90a, sm_100a and sm_103a. Evidence (H200), with the router and the experts:
+`evidence/h200/moe_test.json`, `moe_bench.json`.
 
 Math (`reference/moe.py::_routed_latent`, its last loop): for row r,
 
@@ -25,7 +26,8 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32
-from .rms_norm import device_arch, gmem_ptr
+from .device import facts
+from .rms_norm import gmem_ptr
 
 MAX_ROWS = 64
 MAX_TOP_K = 32
@@ -115,7 +117,6 @@ def check_envelope(o: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, y: torch
          "o and y must be 16-byte aligned, ids and w 4-byte aligned")
 
 
-_ARCH: dict[torch.device, str] = {}
 _COMPILED: dict[tuple, Any] = {}
 
 
@@ -124,14 +125,12 @@ def launch(o: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, n_experts: int, 
     """y = the weighted sum of o's pick rows per row (module docstring), on `stream`."""
     check_envelope(o, ids, w, y)
     (m, top_k), h = ids.shape, o.shape[1]
-    device = o.device if o.device.index is not None else torch.device("cuda", torch.cuda.current_device())
-    if device not in _ARCH:
-        _ARCH[device] = device_arch(device)
-    key = (n_experts, top_k, h, _ARCH[device])
+    arch = facts(o.device).arch
+    key = (n_experts, top_k, h, arch)
     fn = _COMPILED.get(key)
     if fn is None:
-        fn = _COMPILED[key] = compile_combine(n_experts, top_k, h, _ARCH[device])
-    stream = torch.cuda.current_stream(device) if stream is None else stream
+        fn = _COMPILED[key] = compile_combine(n_experts, top_k, h, arch)
+    stream = torch.cuda.current_stream(o.device) if stream is None else stream
     fn(gmem_ptr(BFloat16, o.data_ptr()), gmem_ptr(Int32, ids.data_ptr(), 4), gmem_ptr(Float32, w.data_ptr(), 4),
        gmem_ptr(BFloat16, y.data_ptr()), m, cuda.CUstream(stream.cuda_stream))
     return y

@@ -1,6 +1,7 @@
 """Routed experts of the latent MoE for decode rows: each selected expert's weights read once.
 
-STATUS: compiled (sm_90a, sm_100a, sm_103a), not yet run on a GPU.
+Compiled for sm_90a, sm_100a and sm_103a. Evidence (H200): `evidence/h200/moe_test.json`,
+`moe_bench.json`.
 
 Math (`reference/moe.py::_routed_latent`, K3_MATH.md §3.6), one TP rank, for every pick
 p = r·k + j of row r's j-th selected expert e = ids[r, j]:
@@ -48,7 +49,9 @@ import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, const_expr
 
 from . import moe_combine
-from .rms_norm import device_arch, gmem_ptr
+from .device import DeviceFacts, facts
+from .rms_norm import gmem_ptr
+from .skinny_gemm import mma_registers, mma_step
 
 MAX_ROWS = 64
 MAX_TOP_K = 32
@@ -258,12 +261,7 @@ def _expert_gemv_kernel(
             x_rows[i] = src_row[cutlass.min(g + 8 * i, rows - 1)]
         my_chunks = (n_chunks - wk + warps_k - 1) // warps_k
 
-        w_next = cute.make_rmem_tensor(cute.make_layout((lane_elems, w_rows)), BFloat16)
-        w_cur = cute.make_rmem_tensor(cute.make_layout((lane_elems, w_rows)), BFloat16)
-        x_frag = cute.make_rmem_tensor(cute.make_layout((x_elems, m_atoms)), BFloat16)
-        acc = cute.make_rmem_tensor(cute.make_layout(((2, 2), row_tiles, m_atoms)), Float32)
-        acc.fill(0.0)
-        mma = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+        w_next, w_cur, x_frag, acc, mma = mma_registers(lane_elems, w_rows, x_elems, row_tiles, m_atoms)
 
         if my_chunks > 0:
             _load_w(w_vec, w_next, gate_up, n_out, row_tiles, warps_n, tile, wn, g,
@@ -278,15 +276,7 @@ def _expert_gemv_kernel(
             for s in cutlass.range_constexpr(chunk_atoms // x_atoms):
                 _load_x(x_vec, x_frag, x_rows, m_atoms,
                         chunk * (chunk_k // 8) + c * (lane_elems // 8) + s * (x_elems // 8), x_elems // 8)
-                # fragment views in mma.sync value order over the permuted K (skinny_gemm.py)
-                a = cute.make_tensor(
-                    w_cur.iterator + s * x_elems,
-                    cute.make_layout(((2, 2, 2), row_tiles, x_atoms),
-                                     stride=((1, lane_elems, 2), 2 * lane_elems, 4)))
-                b = cute.make_tensor(
-                    x_frag.iterator,
-                    cute.make_layout(((2, 2), m_atoms, x_atoms), stride=((1, 2), x_elems, 4)))
-                cute.gemm(mma, acc, a, b, acc)
+                mma_step(mma, acc, w_cur, x_frag, s, lane_elems, x_elems, row_tiles, x_atoms, m_atoms)
 
         # acc[(v0, v1), r, j]: register row 2r + v1 of the lane group (weight_row), slot 8j + 2c + v0
         for r in cutlass.range_constexpr(row_tiles):
@@ -392,38 +382,18 @@ def check_envelope(x_lat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     need(all(t.data_ptr() % 16 == 0 for t in named.values()), "all tensors must be 16-byte aligned (fresh allocations are)")
 
 
-class _DeviceState:
-    """Per-device arch and the bf16 h / o buffers of each (k, I, H)."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.arch = device_arch(device)
-        self.device = device
-        self._buffers: dict[tuple[int, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def buffers(self, top_k: int, inter: int, h: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """h [64·k, I] and o [64·k, H] bf16; rows of picks not made are never written or read."""
-        key = (top_k, inter, h)
-        if key not in self._buffers:
-            self._buffers[key] = (
-                torch.empty(MAX_ROWS * top_k, inter, dtype=torch.bfloat16, device=self.device),
-                torch.empty(MAX_ROWS * top_k, h, dtype=torch.bfloat16, device=self.device),
-            )
-        return self._buffers[key]
+def buffers(dev: DeviceFacts, top_k: int, inter: int, h: int) -> tuple[torch.Tensor, ...]:
+    """h [64·k, I] and o [64·k, H] bf16 for each (k, I, H); rows of picks not made are never
+    written or read."""
+    return dev.scratch(("moe_experts", top_k, inter, h), lambda d: (
+        torch.empty(MAX_ROWS * top_k, inter, dtype=torch.bfloat16, device=d),
+        torch.empty(MAX_ROWS * top_k, h, dtype=torch.bfloat16, device=d)))
 
 
-_DEVICES: dict[torch.device, _DeviceState] = {}
 _COMPILED: dict[tuple, Any] = {}
 
 
-def _device_state(device: torch.device) -> _DeviceState:
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _DEVICES:
-        _DEVICES[device] = _DeviceState(device)
-    return _DEVICES[device]
-
-
-def _gemv(dev: _DeviceState, gate_up: bool, w: torch.Tensor, x: torch.Tensor, ids: torch.Tensor,
+def _gemv(dev: DeviceFacts, gate_up: bool, w: torch.Tensor, x: torch.Tensor, ids: torch.Tensor,
           out: torch.Tensor, m: int, n_out: int, k: int, beta: float | None, linear_beta: float | None,
           stream: cuda.CUstream) -> None:
     n_experts, top_k = w.shape[0], ids.shape[1]
@@ -450,8 +420,8 @@ def launch(x_lat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: t
     check_envelope(x_lat, ids, weights, w13, w2, out)
     m, h = x_lat.shape
     top_k, inter = ids.shape[1], w2.shape[2]
-    dev = _device_state(x_lat.device)
-    hidden, expert_out = dev.buffers(top_k, inter, h)
+    dev = facts(x_lat.device)
+    hidden, expert_out = buffers(dev, top_k, inter, h)
     if out is None:
         out = torch.empty((m, h), dtype=torch.bfloat16, device=x_lat.device)
     torch_stream = torch.cuda.current_stream(x_lat.device) if stream is None else stream

@@ -1,8 +1,7 @@
 """MoE router epilogue for decode rows: sigmoid, correction bias, top-k, renormalize, scale.
 
-Status: GPU-tested on the H200 (evidence/h200/moe_test.json) in its previous design (~29-30 us
-at every M); this design is compile-checked (sm_90a, sm_100a, sm_103a) and its GPU test and
-timing are pending re-measurement.
+Compiled for sm_90a, sm_100a and sm_103a. Evidence (H200): `evidence/h200/moe_test.json`,
+`moe_bench.json`.
 
 Math (`reference/moe.py::route`, K3_MATH.md §3.6), per row of the fp32 router logits ℓ:
 
@@ -52,7 +51,8 @@ import cutlass.cute as cute
 import torch
 from cutlass import Constexpr, Float32, Int32, const_expr
 from cutlass._mlir.dialects import arith
-from .rms_norm import device_arch, gmem_ptr
+from .device import facts
+from .rms_norm import gmem_ptr
 
 MAX_ROWS = 64
 MAX_EXPERTS = 1024
@@ -192,7 +192,6 @@ def check_envelope(logits: torch.Tensor, bias: torch.Tensor, top_k: int) -> None
     need(logits.device.type == "cuda" and bias.device == logits.device, "logits and bias must be CUDA tensors on one device")
 
 
-_ARCH: dict[torch.device, str] = {}
 _COMPILED: dict[tuple, Any] = {}
 
 
@@ -208,13 +207,12 @@ def launch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, *, renormalize:
                               or t.device != logits.device):
             raise MoERouterEnvelopeError(f"moe_router: {name} must be a contiguous [{m}, {top_k}] {dtype} "
                                          f"tensor on {logits.device}")
-    device = logits.device if logits.device.index is not None else torch.device("cuda", torch.cuda.current_device())
-    if device not in _ARCH:
-        _ARCH[device] = device_arch(device)
-    key = (n_experts, top_k, renormalize, float(routed_scaling_factor), _ARCH[device])
+    device = logits.device
+    arch = facts(device).arch
+    key = (n_experts, top_k, renormalize, float(routed_scaling_factor), arch)
     fn = _COMPILED.get(key)
     if fn is None:
-        fn = _COMPILED[key] = compile_router(n_experts, top_k, renormalize, routed_scaling_factor, _ARCH[device])
+        fn = _COMPILED[key] = compile_router(n_experts, top_k, renormalize, routed_scaling_factor, arch)
     weights_out = torch.empty(m, top_k, dtype=torch.float32, device=device) if weights_out is None else weights_out
     ids_out = torch.empty(m, top_k, dtype=torch.int32, device=device) if ids_out is None else ids_out
     stream = torch.cuda.current_stream(device) if stream is None else stream

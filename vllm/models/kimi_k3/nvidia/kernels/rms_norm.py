@@ -37,6 +37,8 @@ import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32, const_expr
 from cutlass.cute.runtime import make_ptr
 
+from .device import facts
+
 MAX_ROWS = 64
 NORM_WIDTHS = (7168, 3584, 1536, 512)  # K3's norms (tests and benchmarks sweep these)
 MAX_WIDTH = 8 * 1024  # 4 vectors per thread at 256 threads: the row stays in registers
@@ -286,11 +288,6 @@ def check_envelope(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | No
     check_devices("rms_norm", {"x": x, "weight": weight, "out": out})
 
 
-def device_arch(device: torch.device) -> str:
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"sm_{major}{minor}a"
-
-
 def current_stream(device: torch.device, stream: torch.cuda.Stream | None) -> cuda.CUstream:
     s = torch.cuda.current_stream(device) if stream is None else stream
     return cuda.CUstream(s.cuda_stream)
@@ -310,7 +307,7 @@ def launch(x: torch.Tensor, weight: torch.Tensor, eps: float, out: torch.Tensor 
     if out is None:
         out = torch.empty((m, d), dtype=torch.bfloat16, device=x.device)
     plan = RmsNormPlan.for_width(d, x.stride(0), out.stride(0))
-    key = (plan, device_arch(x.device))
+    key = (plan, facts(x.device).arch)
     fn = _COMPILED.get(key)
     if fn is None:
         fn = _COMPILED[key] = compile_rms_norm(plan, key[1])

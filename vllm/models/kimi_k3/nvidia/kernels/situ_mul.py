@@ -29,8 +29,9 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32
 
+from .device import facts
 from .moe_experts import situ
-from .rms_norm import VEC, check_devices, check_row_count, check_rows, current_stream, device_arch, gmem_ptr, need, \
+from .rms_norm import VEC, check_devices, check_row_count, check_rows, current_stream, gmem_ptr, need, \
     row_vectors
 
 THREADS = 128
@@ -105,7 +106,7 @@ def launch(gate_up: torch.Tensor, beta: float | None, linear_beta: float | None,
     if out is None:
         out = torch.empty((m, width), dtype=torch.bfloat16, device=gate_up.device)
     plan = SituPlan(width, gate_up.stride(0), out.stride(0), beta, linear_beta)
-    key = (plan, device_arch(gate_up.device))
+    key = (plan, facts(gate_up.device).arch)
     fn = _COMPILED.get(key)
     if fn is None:
         fn = _COMPILED[key] = compile_situ_mul(plan, key[1])

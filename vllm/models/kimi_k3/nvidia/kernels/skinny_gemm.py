@@ -43,6 +43,8 @@ import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32, const_expr
 from cutlass.cute.runtime import make_ptr
 
+from .device import DeviceFacts, facts
+
 MAX_ROWS = 64
 _OUT_DTYPES = {torch.bfloat16: BFloat16, torch.float32: Float32}
 
@@ -130,6 +132,31 @@ def _load_chunk(src_vec: cute.Tensor, dst: cute.Tensor, first_row: Int32, rows: 
                 cute.autovec_copy(src_vec[(0, None), (row, col0 + v)], vec)
 
 
+def mma_registers(lane_elems: int, w_rows: int, x_elems: int, row_tiles: int, m_atoms: int) -> tuple:
+    """A warp's registers for the GEMV core (also the MoE experts'): the W chunk double buffer
+    (next, current), the x fragments, the zeroed fp32 accumulators and the m16n8k16 bf16 atom."""
+    w_next = cute.make_rmem_tensor(cute.make_layout((lane_elems, w_rows)), BFloat16)
+    w_cur = cute.make_rmem_tensor(cute.make_layout((lane_elems, w_rows)), BFloat16)
+    x_frag = cute.make_rmem_tensor(cute.make_layout((x_elems, m_atoms)), BFloat16)
+    acc = cute.make_rmem_tensor(cute.make_layout(((2, 2), row_tiles, m_atoms)), Float32)
+    acc.fill(0.0)
+    mma = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+    return w_next, w_cur, x_frag, acc, mma
+
+
+def mma_step(mma: Any, acc: cute.Tensor, w_cur: cute.Tensor, x_frag: cute.Tensor, s: int, lane_elems: int,
+             x_elems: int, row_tiles: int, x_atoms: int, m_atoms: int) -> None:
+    """acc += step s of the current W chunk against the x fragments: views of both in mma.sync
+    value order over the permuted K (module docstring)."""
+    a = cute.make_tensor(
+        w_cur.iterator + s * x_elems,
+        cute.make_layout(((2, 2, 2), row_tiles, x_atoms), stride=((1, lane_elems, 2), 2 * lane_elems, 4)))
+    b = cute.make_tensor(
+        x_frag.iterator,
+        cute.make_layout(((2, 2), m_atoms, x_atoms), stride=((1, 2), x_elems, 4)))
+    cute.gemm(mma, acc, a, b, acc)
+
+
 @cute.kernel
 def _skinny_gemm_kernel(
     w_ptr: cute.Pointer, x_ptr: cute.Pointer, y_ptr: cute.Pointer, ws_ptr: cute.Pointer,
@@ -165,12 +192,7 @@ def _skinny_gemm_kernel(
     c_end = cutlass.min(c_begin + per_split, n_chunks)
     my_chunks = (c_end - c_begin - wk + warps_k - 1) // warps_k
 
-    w_next = cute.make_rmem_tensor(cute.make_layout((lane_elems, w_rows)), BFloat16)
-    w_cur = cute.make_rmem_tensor(cute.make_layout((lane_elems, w_rows)), BFloat16)
-    x_frag = cute.make_rmem_tensor(cute.make_layout((x_elems, m_atoms)), BFloat16)
-    acc = cute.make_rmem_tensor(cute.make_layout(((2, 2), row_tiles, m_atoms)), Float32)
-    acc.fill(0.0)
-    mma = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
+    w_next, w_cur, x_frag, acc, mma = mma_registers(lane_elems, w_rows, x_elems, row_tiles, m_atoms)
 
     if my_chunks > 0:
         _load_chunk(w_vec, w_next, w_row0, w_rows, n,
@@ -186,15 +208,7 @@ def _skinny_gemm_kernel(
             _load_chunk(x_vec, x_frag, g, m_atoms, m,
                         chunk * (chunk_k // 8) + c * (lane_elems // 8) + s * (x_elems // 8),
                         x_elems // 8, k, k_tail)
-            # fragment views in mma.sync value order over the permuted K (module docstring)
-            a = cute.make_tensor(
-                w_cur.iterator + s * x_elems,
-                cute.make_layout(((2, 2, 2), row_tiles, x_atoms),
-                                 stride=((1, lane_elems, 2), 2 * lane_elems, 4)))
-            b = cute.make_tensor(
-                x_frag.iterator,
-                cute.make_layout(((2, 2), m_atoms, x_atoms), stride=((1, 2), x_elems, 4)))
-            cute.gemm(mma, acc, a, b, acc)
+            mma_step(mma, acc, w_cur, x_frag, s, lane_elems, x_elems, row_tiles, x_atoms, m_atoms)
 
     # the warps_k partial sums meet in shared memory; the pitch pad spreads a warp's stores
     # over the banks
@@ -328,38 +342,16 @@ def check_envelope(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None,
     need(all(t.data_ptr() % 16 == 0 for t in tensors), "x, w and out must be 16-byte aligned (fresh allocations are)")
 
 
-class _DeviceState:
-    """Per-device facts and scratch: arch string, SM count, split-K workspaces and counters."""
-
-    def __init__(self, device: torch.device) -> None:
-        major, minor = torch.cuda.get_device_capability(device)
-        self.arch = f"sm_{major}{minor}a"
-        self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
-        self.device = device
-        self._scratch: dict[tuple[int, Tiling], tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def scratch(self, n: int, tiling: Tiling) -> tuple[torch.Tensor, torch.Tensor]:
-        """FP32 partials [splits, 64, N] and zeroed per-tile arrival counters for one shape."""
-        key = (n, tiling)
-        if key not in self._scratch:
-            ws_elems = tiling.splits * MAX_ROWS * n if tiling.splits > 1 else 4
-            self._scratch[key] = (
-                torch.empty(ws_elems, dtype=torch.float32, device=self.device),
-                torch.zeros(tiling.tiles_n(n), dtype=torch.int32, device=self.device),
-            )
-        return self._scratch[key]
+def _split_scratch(dev: DeviceFacts, n: int, tiling: Tiling) -> tuple[torch.Tensor, ...]:
+    """FP32 partials [splits, 64, N] and zeroed per-tile arrival counters for one shape (the last
+    CTA of a tile zeroes its counter again)."""
+    ws_elems = tiling.splits * MAX_ROWS * n if tiling.splits > 1 else 4
+    return dev.scratch(("skinny_gemm", n, tiling), lambda d: (
+        torch.empty(ws_elems, dtype=torch.float32, device=d),
+        torch.zeros(tiling.tiles_n(n), dtype=torch.int32, device=d)))
 
 
-_DEVICES: dict[torch.device, _DeviceState] = {}
 _COMPILED: dict[tuple, Any] = {}
-
-
-def _device_state(device: torch.device) -> _DeviceState:
-    if device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device not in _DEVICES:
-        _DEVICES[device] = _DeviceState(device)
-    return _DEVICES[device]
 
 
 def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
@@ -372,14 +364,14 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
     """
     check_envelope(x, w, out, out_dtype)
     (m, k), n = x.shape, w.shape[0]
-    dev = _device_state(x.device)
+    dev = facts(x.device)
     m_atoms = -(-m // 8)
     tiling = tiling or choose_tiling(n, k, m_atoms, dev.sm_count)
     key = (n, k, m_atoms, out_dtype, dev.arch, tiling)
     fn = _COMPILED.get(key)
     if fn is None:
         fn = _COMPILED[key] = compile_skinny_gemm(n, k, m_atoms, out_dtype, tiling, dev.arch)
-    ws, cnt = dev.scratch(n, tiling)
+    ws, cnt = _split_scratch(dev, n, tiling)
     if out is None:
         out = torch.empty((m, n), dtype=out_dtype, device=x.device)
     stream = torch.cuda.current_stream(x.device) if stream is None else stream

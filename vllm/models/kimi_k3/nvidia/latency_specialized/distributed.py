@@ -40,7 +40,7 @@ from typing import Any, Sequence
 import torch
 import torch.distributed as dist
 
-from ..reference.collective import Collective, ordered_sum
+from ..reference.collective import GatheredCollective
 from ..reference.model import ReferenceModel
 from .config import K3TextConfig
 from .deployment import Deployment, StepFacts
@@ -69,7 +69,7 @@ def disable_nvlink_multicast() -> None:
     os.environ.update(MULTICAST_OFF)
 
 
-class TorchDistributed(Collective):
+class TorchDistributed(GatheredCollective):
     """One rank of a TP group formed by a torch.distributed process group (default: world)."""
 
     def __init__(self, group: dist.ProcessGroup | None = None):
@@ -98,12 +98,6 @@ class TorchDistributed(Collective):
         out = torch.empty(self.tp * flat.numel(), dtype=x.dtype, device=x.device)
         _gather_into(out, flat, group=self.group)
         return out.view(self.tp, *x.shape)
-
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        return ordered_sum(self._gather(x).unbind(0))
-
-    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
-        return torch.cat(self._gather(x).unbind(0), dim=dim)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Host-side objects of every rank, in rank order (for checks, never on the hot path)."""

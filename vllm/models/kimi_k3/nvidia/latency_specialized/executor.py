@@ -2,9 +2,9 @@
 
 | stage | what happens |
 | --- | --- |
-| build | owns the `DecodeState` it serves (KDA pools, MLA cache; slot 0 / block 0 are the null slot and block); each MoE layer's weights as the op table takes them (`prepare_moe`: `KernelOps` zero-pads a model smaller than K3 to the MoE kernels' granularity, `moe_padding.py`); per bucket: static `StepMeta` buffers set to all-padding, one eager warm-up step (compiles every kernel of the step, allocates kernel scratch; touches only the null slot and block), then one capture; reports seconds and graph memory |
+| build | owns the `DecodeState` it serves (KDA pools, MLA cache; slot 0 / block 0 are the null slot and block), allocated or over adopted `pools` (vLLM's, whose slots are pages apart); each MoE layer's weights as the op table takes them (`prepare_moe`: `KernelOps` zero-pads a model smaller than K3 to the MoE kernels' granularity, `moe_padding.py`); per bucket: static `StepMeta` buffers set to all-padding, one eager warm-up step (compiles every kernel of the step, allocates kernel scratch; touches only the null slot and block), then one capture; reports seconds and graph memory |
 | `plan(facts)` | the bucket for the step's rows and tokens per request, or None (the dispatcher then runs the standard path) |
-| `__call__(ids, segments, state)` | pads the step to its bucket with dummy requests on the null slot (`buckets.pad_to_bucket`), writes ids and slots into the bucket's `StepMeta` in place, replays the graph (eager where graphs are off), commits the segments to the state, returns the real rows' full-vocab fp32 logits |
+| `__call__(ids, segments, state)` | (executors built with `inputs="ids"`; with `"embeddings"` the caller fills `StepMeta.embeds` and replays, as `vllm_executor` does) pads the step to its bucket with dummy requests on the null slot (`buckets.pad_to_bucket`), writes ids and slots into the bucket's `StepMeta` in place, replays the graph (eager where graphs are off), commits the segments to the state, returns the real rows' full-vocab fp32 logits (with `output="hidden"`: the hidden states [rows, H] bf16 before the final norm, what vLLM's `compute_logits` takes) |
 
 The step itself (`_forward`) is written once against an op table (`decode_ops.py`):
 `KernelOps` runs CuTe DSL kernels, `ReferenceOps` the reference functions on the same
@@ -20,7 +20,7 @@ tensors and metadata, so CPU tests check this file's plumbing exactly against
     h = AttnRes_final(blocks, prefix + m_last) fused with the final norm;  logits = Σ_ranks-gather h·W_lmᵀ
 
 Buffers a replay writes outside the state (activations, logits) live in one graph memory
-pool shared by all buckets: the logits a call returns are valid until the next call.
+pool shared by all buckets: the output a call returns is valid until the next call.
 """
 
 from __future__ import annotations
@@ -38,10 +38,14 @@ from ..reference.mla import split_kv_b
 from ..reference.model import ReferenceModel
 from ..reference.ops import F32
 from ..reference.params import DenseMLPWeights, KDAWeights, MoEWeights
-from ..reference.state import DecodeState, Segment
+from ..reference.state import DecodeState, KDALayerState, MLALayerState, Segment
 from .buckets import bucket_for, pad_to_bucket
 from .decode_ops import DecodeOps, KernelOps, ReferenceOps
 from .deployment import StepFacts
+
+
+OUTPUTS = ("logits", "hidden")  # what a step returns: vLLM's model forward returns the hidden states
+INPUTS = ("ids", "embeddings")  # what a step starts from: vLLM's multimodal runner passes embeddings
 
 
 class ExecutorError(RuntimeError):
@@ -65,10 +69,13 @@ class StepMeta:
     seq_lens: torch.Tensor  # [R] int32: cached positions after this step's tokens
     query_start: torch.Tensor  # [R + 1] int32
     cache_index: torch.Tensor  # [rows] int64: flat cache row of each new token
+    embeds: torch.Tensor | None = None  # [rows, H] bf16 when the step starts from embeddings, not ids
 
     @classmethod
-    def padding(cls, rows: int, q: int, max_blocks: int, device: torch.device) -> "StepMeta":
-        """A step of nothing but padding requests (what warm-up and capture run on)."""
+    def padding(cls, rows: int, q: int, max_blocks: int, device: torch.device,
+                hidden: int | None = None) -> "StepMeta":
+        """A step of nothing but padding requests (what warm-up and capture run on); with `hidden`,
+        one that starts from embeddings [rows, hidden] (zeros) instead of token ids."""
         if rows % q:
             raise ExecutorError(f"a bucket of {rows} rows does not hold whole {q}-token requests")
         r = rows // q
@@ -79,7 +86,8 @@ class StepMeta:
                    rec_read_slot=i32(r), rec_slots=i32(r, q), accepted=i32(r) + 1,
                    block_table=i32(r, max_blocks), seq_lens=i32(r) + q,
                    query_start=torch.arange(0, rows + 1, q, dtype=torch.int32, device=device),
-                   cache_index=torch.arange(rows, dtype=torch.int64, device=device))
+                   cache_index=torch.arange(rows, dtype=torch.int64, device=device),
+                   embeds=None if hidden is None else torch.zeros(rows, hidden, dtype=torch.bfloat16, device=device))
         return meta
 
     @property
@@ -142,7 +150,9 @@ class SpecializedDecode:
 
     def __init__(self, model: ReferenceModel, *, max_requests: int, max_len: int,
                  buckets: Sequence[tuple[int, int]], ops: DecodeOps | None = None, graphs: bool | None = None,
-                 block_size: int = 64, log: Callable[[str], None] | None = None):
+                 block_size: int = 64, output: str = "logits", inputs: str = "ids",
+                 pools: tuple[dict[int, KDALayerState], dict[int, MLALayerState]] | None = None,
+                 log: Callable[[str], None] | None = None):
         self.model, self.cfg, self.shard, self.coll = model, model.cfg, model.shard, model.coll
         self.w = model.w
         device = self.w.embed.device
@@ -150,6 +160,13 @@ class SpecializedDecode:
         self.graphs = device.type == "cuda" if graphs is None else graphs
         if self.graphs and device.type != "cuda":
             raise ExecutorError("CUDA graphs need the weights on a CUDA device; pass graphs=False on CPU")
+        if output not in OUTPUTS:
+            raise ExecutorError(f"output must be one of {', '.join(map(repr, OUTPUTS))}, got {output!r}: 'logits' "
+                                "for full-vocab fp32 logits, 'hidden' for the hidden states before the final norm")
+        if inputs not in INPUTS:
+            raise ExecutorError(f"inputs must be one of {', '.join(map(repr, INPUTS))}, got {inputs!r}: 'ids' "
+                                "for token ids (embedded here), 'embeddings' for rows someone else embedded")
+        self.output, self.inputs = output, inputs
         self.buckets = sorted(set((int(r), int(q)) for r, q in buckets))
         bad = [(r, q) for r, q in self.buckets if not (1 <= q <= 8 and r >= q and r % q == 0)]
         if not self.buckets or bad:
@@ -160,7 +177,7 @@ class SpecializedDecode:
             raise ExecutorError(f"block_size {block_size} is below the largest bucket's {max(self.buckets)[0]} rows: "
                                 "each padding row writes its own row of the null block 0, so raise block_size")
         self.state = DecodeState(self.cfg, self.shard, max_requests=max_requests, max_len=max_len, max_q=max_q,
-                                 block_size=block_size, device=device)
+                                 block_size=block_size, device=device, pools=pools)
         self.log = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         d_n = self.cfg.qk_nope_head_dim
         self.tau = 1.0 / math.sqrt(d_n + self.cfg.qk_rope_head_dim)
@@ -185,7 +202,8 @@ class SpecializedDecode:
         for n, key in enumerate(self.buckets, 1):
             rows, q = key
             tb = time.perf_counter()
-            meta = self.meta[key] = StepMeta.padding(rows, q, self.state.blocks_per_req, device)
+            meta = self.meta[key] = StepMeta.padding(rows, q, self.state.blocks_per_req, device,
+                                                     self.cfg.hidden_size if self.inputs == "embeddings" else None)
             self.ops.reset()
             if not self.graphs:
                 self._forward(meta)  # a first run checks every op's envelope before any step is served
@@ -221,10 +239,13 @@ class SpecializedDecode:
         return None if rows is None else (rows, q)
 
     def __call__(self, ids: torch.Tensor, segments: list[Segment], state: DecodeState) -> torch.Tensor:
-        """Full-vocab fp32 logits [rows, V] of a pure decode step; commits it to the state."""
+        """Full-vocab fp32 logits [rows, V] (or hidden states [rows, H], `output`) of a pure decode
+        step; commits it to the state."""
         if state is not self.state:
             raise ExecutorError("the executor serves only the DecodeState it owns (executor.state); "
                                 "allocate the requests there")
+        if self.inputs != "ids":
+            raise ExecutorError("this executor starts from embeddings: fill its StepMeta (vllm_step) and replay")
         q = segments[0].n if segments else 0
         rows = sum(s.n for s in segments)
         key = self.plan(StepFacts(rows=rows, tokens_per_request=q if all(s.n == q for s in segments) else None,
@@ -266,9 +287,12 @@ class SpecializedDecode:
         # slot 0: the embedding; slot j: the sum of block j − 1, written when layer j·block starts
         blocks = torch.empty(1 + (cfg.num_hidden_layers - 1) // block, rows, cfg.hidden_size,
                              dtype=w.embed.dtype, device=w.embed.device)
-        e = coll.all_reduce(ops.embed(meta.ids, w.embed, self.shard, cfg.vocab_size, out=blocks[0]))
-        if e.data_ptr() != blocks[0].data_ptr():
-            blocks[0].copy_(e)
+        if meta.embeds is not None:  # embedded by the caller (vLLM), over every vocabulary shard
+            blocks[0].copy_(ops.copy(meta.embeds))
+        else:
+            e = coll.all_reduce(ops.embed(meta.ids, w.embed, self.shard, cfg.vocab_size, out=blocks[0]))
+            if e.data_ptr() != blocks[0].data_ptr():
+                blocks[0].copy_(e)
         n_blocks, partial, m = 1, None, None
         for i, lw in enumerate(w.layers):
             ar = lw.attn_res
@@ -289,6 +313,8 @@ class SpecializedDecode:
                 v = ops.attn_res(blocks, n_blocks, partial, ar.mlp_norm, ar.mlp_proj, eps, addend=a,
                                  live_out=partial, out_w=ar.post_norm)
             m = self._moe(self.moe[i], v) if i in self.moe else self._dense(lw.mlp, v)
+        if self.output == "hidden":  # vLLM's compute_logits applies the final norm itself
+            return ops.attn_res(blocks, n_blocks, partial, w.out_res_norm, w.out_res_proj, eps, addend=m)
         h = ops.attn_res(blocks, n_blocks, partial, w.out_res_norm, w.out_res_proj, eps, addend=m,
                          final_norm=w.final_norm)
         return ops.logits_scale(coll.all_gather(ops.linear(h, w.lm_head), dim=-1), cfg.logit_scale)

@@ -39,6 +39,15 @@ Weights: at the first forward pass (vLLM's profiling run, after the weights are 
 and processed) `VllmBackend.bind` makes our per-rank `ModelWeights` as views of vLLM's
 parameters (`vllm_weights.py`); a layout it cannot view turns the backend OFF, naming
 the tensor or the MoE backend that repacked the experts.
+
+Executor: at the first forward outside a capture after vLLM bound its caches (the warm-up
+run vLLM makes before it captures each graph size), `VllmBackend.prepare` builds the
+`VllmExecutor` over those caches (`vllm_executor.py`) and gives it to the dispatcher; from
+then on an admitted step, captured into vLLM's FULL graph, runs our kernels
+(`VllmBackend.run`). Above TP 1 the executor's sums run over vLLM's tensor-parallel group
+(`vllm_collective.py`); every rank builds at the same forward, and the build's warm-up step
+meets its peers in those collectives, so a build that fails must fail on every rank alike (it
+does for what it checks: shapes, dtypes and caches are the same on every rank).
 """
 
 from __future__ import annotations
@@ -53,6 +62,13 @@ from .dispatch import (BACKEND_LOG, OUT_OF_SCOPE_REASON, STANDARD, Dispatcher, P
                        Route)
 from .options import ACCEPTED_KEYS, BackendOptions
 from .scope import ScopeError
+from ..reference.collective import Collective, SingleRank
+from ..reference.model import ReferenceModel
+from ..reference.state import StateError
+from .executor import ExecutorError
+from .vllm_collective import VllmCollective
+from .vllm_executor import VllmExecutor
+from .vllm_pools import CachesNotBound, PoolsError
 from .vllm_weights import BindingError, bind_vllm_weights, repacked_experts
 
 TEXT_ARCHITECTURE = "KimiLinearForCausalLM"
@@ -60,8 +76,10 @@ MODEL_CLASS = f"{__package__}.vllm_model:KimiK3LatencySpecializedForCausalLM"
 
 NO_METADATA_REASON = "no attention metadata (profiling or warm-up run)"
 NOT_FULL_GRAPH_REASON = "admitted, but outside a FULL CUDA graph (eager or PIECEWISE step)"
+INPUTS_REASON = "admitted, but the step's inputs (token ids or embeddings) are not those the executor was built for"
 VLLM_FEATURES_REASON = "vLLM features outside the backend"
 BINDING_REASON = "vLLM's loaded weights are not in the backend's layout"
+EXECUTOR_REASON = "the specialized executor could not be built over vLLM's caches"
 LOG_EVERY_S = 60.0
 
 
@@ -84,6 +102,12 @@ def register(registry: Any = None, platform: Any = None) -> None:
 
 
 # ---------------------------------------------------------------------------- start-up
+
+
+def tp_group() -> Any:
+    """vLLM's tensor-parallel GroupCoordinator of this process (formed before the model is built)."""
+    from vllm.distributed import get_tp_group
+    return get_tp_group()
 
 
 def split_additional_config(extra: Any) -> tuple[BackendOptions, Any]:
@@ -230,12 +254,13 @@ class StepRouter:
         """From now on every step runs the standard path, counted under `reason`."""
         self.off_reason = reason
 
-    def route(self, rows: int, attn_metadata: Any, *, graph_mode: str, capturing: bool) -> Route:
-        route = self._decide(rows, attn_metadata, graph_mode)
+    def route(self, rows: int, attn_metadata: Any, *, graph_mode: str, capturing: bool,
+              inputs_mismatch: bool = False) -> Route:
+        route = self._decide(rows, attn_metadata, graph_mode, inputs_mismatch)
         (self.captures if capturing else self.steps).record_route(route)
         return route
 
-    def _decide(self, rows: int, attn_metadata: Any, graph_mode: str) -> Route:
+    def _decide(self, rows: int, attn_metadata: Any, graph_mode: str, inputs_mismatch: bool) -> Route:
         if self.off_reason is not None:
             return Route(STANDARD, self.off_reason)
         assert self.dispatcher is not None
@@ -250,6 +275,8 @@ class StepRouter:
             # the specialized path is a replayed FULL graph; an eager or PIECEWISE run of
             # an admitted step has none to replay
             return Route(STANDARD, NOT_FULL_GRAPH_REASON)
+        if route.admitted and inputs_mismatch:
+            return Route(STANDARD, INPUTS_REASON)
         return route
 
     def summary(self) -> str:
@@ -276,6 +303,8 @@ class VllmBackend:
         self.options, self.tp, self.rank, self.log = options, tp, rank, log
         self.weights = None
         self._bound = False
+        self.vllm_config = vllm_config
+        self.executor: VllmExecutor | None = None
         blockers = vllm_blockers(vllm_config)
         self.cfg: K3TextConfig | None = None
         try:
@@ -307,8 +336,8 @@ class VllmBackend:
         self.router = StepRouter(dispatcher, max_context=max_len, verify_tokens=verify,
                                  reporting=rank == 0, log=log)
         if dispatcher.enabled:
-            log.info("Kimi K3 latency_specialized: the specialized executor is not built yet; "
-                     "admitted steps run vLLM's own forward and are counted as such")
+            log.info("Kimi K3 latency_specialized: the specialized executor is built once vLLM's caches "
+                     "exist; until then admitted steps run vLLM's own forward and are counted as such")
 
     def bind(self, language_model: Any) -> None:
         """Bind vLLM's loaded weights as `ModelWeights` views, once, if the backend is on."""
@@ -323,20 +352,71 @@ class VllmBackend:
             except BindingError as e:
                 reason = str(e)
         if reason is not None:
-            line = f"Kimi K3 latency_specialized decode OFF: {BINDING_REASON}: {reason}"
-            if self.options.strict_scope:
-                raise ScopeError(line + " (strict_scope is set)")
-            self.log.warning(line)
-            self.router.turn_off(BINDING_REASON)
+            self._turn_off(BINDING_REASON, reason)
             return
         self.log.info("Kimi K3 latency_specialized: vLLM's loaded weights bound as views "
                       "(no copies) for tensor-parallel rank %d of %d", self.rank, self.tp)
 
+    def _turn_off(self, reason: str, detail: str) -> None:
+        """Every later step runs the standard path, counted under `reason`; one warning says why
+        (a ScopeError under strict_scope)."""
+        line = f"Kimi K3 latency_specialized decode OFF: {reason}: {detail}"
+        if self.options.strict_scope:
+            raise ScopeError(line + " (strict_scope is set)")
+        self.log.warning(line)
+        self.router.turn_off(reason)
+
+    def prepare(self, capturing: bool, embeddings_in: bool = False) -> None:
+        """Build the executor over vLLM's caches once they are bound, outside any graph capture; its
+        steps start from what this forward brings (token ids, or embeddings from a multimodal runner)."""
+        if self.executor is not None or capturing or not self.router.enabled or self.weights is None:
+            return
+        assert self.cfg is not None and self.router.dispatcher is not None
+        why = None
+        try:
+            self.executor = VllmExecutor.build(
+                ReferenceModel(self.cfg, self.weights, coll=self._collective()),
+                self.vllm_config.compilation_config.static_forward_context,
+                max_model_len=self.router.max_context, block_size=self.vllm_config.cache_config.block_size,
+                rows=sorted(self.router.dispatcher.envelopes[0].rows_per_step),
+                verify_tokens=self.router.verify_tokens, inputs="embeddings" if embeddings_in else "ids",
+                log=self.log.info)
+        except CachesNotBound:
+            return  # vLLM's profiling run: the caches come later
+        except (PoolsError, ExecutorError, StateError, ValueError) as e:
+            why = str(e)
+        if why is not None:
+            self._turn_off(EXECUTOR_REASON, why)
+            return
+        self.router.dispatcher.executor = self.executor.executor
+        self.log.info("Kimi K3 latency_specialized: the specialized executor runs admitted steps "
+                      f"({self.executor.executor.report.line()})")
+
+    def _collective(self) -> Collective:
+        """This rank's cross-rank sums: identities at TP 1, vLLM's tensor-parallel group above."""
+        if self.tp == 1:
+            return SingleRank()
+        coll = VllmCollective(tp_group())
+        if (coll.tp, coll.rank) != (self.tp, self.rank):
+            raise ValueError(f"vLLM's tensor-parallel group is rank {coll.rank} of {coll.tp}, but the model was "
+                             f"built for rank {self.rank} of {self.tp}")
+        return coll
+
+    def run(self, route: Route, attn_metadata: Any, input_ids: Any, slot_mapping: Any, rows: int,
+            inputs_embeds: Any = None) -> Any:
+        """The hidden states of an admitted step (`route.plan` is its bucket) from our kernels."""
+        assert self.executor is not None and route.plan is not None
+        return self.executor.run(route.plan, attn_metadata, input_ids, slot_mapping, rows, inputs_embeds)
+
     def on_forward(self, language_model: Any, rows: int, attn_metadata: Any, *,
-                   graph_mode: str, capturing: bool) -> Route:
-        """Route one forward pass; weights bind on the first (they are final by then)."""
+                   graph_mode: str, capturing: bool, embeddings_in: bool = False) -> Route:
+        """Route one forward pass; weights bind on the first (they are final by then), the
+        executor is built on the first outside a capture once vLLM's caches exist."""
         self.bind(language_model)
-        route = self.router.route(rows, attn_metadata, graph_mode=graph_mode, capturing=capturing)
+        self.prepare(capturing, embeddings_in)
+        built_for = None if self.executor is None else self.executor.executor.inputs
+        route = self.router.route(rows, attn_metadata, graph_mode=graph_mode, capturing=capturing,
+                                  inputs_mismatch=built_for not in (None, "embeddings" if embeddings_in else "ids"))
         if not capturing:
             self.router.maybe_report()
         return route

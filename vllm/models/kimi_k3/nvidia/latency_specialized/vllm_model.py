@@ -9,7 +9,8 @@ imported only when vLLM builds that model (this module imports vLLM's model code
   `additional_config` (vLLM 0.33.0's model would otherwise start its own specialized
   decode, or raise outside its SM100 scope), then `VllmBackend` gives the start-up
   verdict. Each forward is routed and counted from host-side facts of vLLM's forward
-  context, then runs upstream's forward: the specialized executor is not built yet.
+  context: an admitted step with a bucket runs the specialized executor (inside vLLM's FULL
+  graph capture) and returns its hidden states; every other step runs upstream's forward.
 """
 
 from __future__ import annotations
@@ -47,10 +48,15 @@ class KimiK3LatencySpecializedForCausalLM(KimiLinearForCausalLM):
     def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None,
                 **kwargs):
         context = get_forward_context() if is_forward_context_available() else None
-        self.latency_specialized.on_forward(
-            self, rows=positions.shape[-1],
+        rows = positions.shape[-1]
+        route = self.latency_specialized.on_forward(
+            self, rows=rows,
             attn_metadata=None if context is None else context.attn_metadata,
             graph_mode="NONE" if context is None else context.cudagraph_runtime_mode.name,
             capturing=torch.cuda.is_available() and torch.cuda.is_current_stream_capturing(),
+            embeddings_in=inputs_embeds is not None,
         )
+        if route.plan is not None and context is not None:
+            return self.latency_specialized.run(route, context.attn_metadata, input_ids,
+                                                getattr(context, "slot_mapping", None), rows, inputs_embeds)
         return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)

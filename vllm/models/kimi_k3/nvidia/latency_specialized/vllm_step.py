@@ -14,6 +14,7 @@ device-side torch ops only (no host reads), so it can run inside vLLM's FULL CUD
 | `block_table`, `seq_lens` | MLA `decode.block_table`, `decode.seq_lens` (cached tokens after this step's) | columns past vLLM's: block 0 |
 | `cache_index [rows]` | the forward context's `slot_mapping[mla_layer]` (flat cache row per token), else the MLA metadata's | |
 | `ids [rows]` | `input_ids` | |
+| `embeds [rows, H]` | `inputs_embeds` (vLLM's multimodal runner embeds the tokens itself) | executors built with `inputs="embeddings"` |
 
 A request whose KDA state index is ≤ 0 is padding (vLLM's KDA kernels skip it, its
 `slot_mapping` rows are −1), as are the bucket's requests past vLLM's B: it gets our padding
@@ -39,17 +40,18 @@ from .executor import ExecutorError, StepMeta
 class VllmDecodeStep:
     """The tensors of one pure decode (q = 1) or uniform verify (q > 1) step, as vLLM holds them."""
 
-    input_ids: torch.Tensor  # [>= B·q] token ids (vLLM pads to its graph size)
+    input_ids: torch.Tensor | None  # [>= B·q] token ids (vLLM pads to its graph size); None with inputs_embeds
     state_indices: torch.Tensor  # [B] (q = 1) or [B, q] KDA state slots, ≤ 0 for padding
     num_accepted: torch.Tensor | None  # [B] tokens accepted by each request's last verify step; None: 1
     block_table: torch.Tensor  # [B, blocks] MLA blocks of each request
     seq_lens: torch.Tensor  # [B] cached tokens after this step's
     slot_mapping: torch.Tensor  # [>= B·q] flat MLA cache row of each token, −1 for padding
+    inputs_embeds: torch.Tensor | None = None  # [>= B·q, H] when vLLM embedded the tokens itself
 
     @classmethod
     def from_forward_context(cls, attn_metadata: Mapping[str, Any], kda_layer: str, mla_layer: str,
-                             input_ids: torch.Tensor, slot_mapping: Mapping[str, torch.Tensor] | None = None
-                             ) -> VllmDecodeStep:
+                             input_ids: torch.Tensor | None, slot_mapping: Mapping[str, torch.Tensor] | None = None,
+                             inputs_embeds: torch.Tensor | None = None) -> VllmDecodeStep:
         """The step from `get_forward_context().attn_metadata`, keyed by layer prefix: `kda_layer` names
         a KDA layer (GDN metadata), `mla_layer` an MLA layer (MLA common metadata with `.decode`).
         `slot_mapping` is `get_forward_context().slot_mapping`: vLLM 0.33.0's MLA cache write reads the
@@ -66,7 +68,7 @@ class VllmDecodeStep:
                    state_indices=spec if spec is not None else kda.non_spec_state_indices_tensor,
                    num_accepted=kda.num_accepted_tokens if spec is not None else None,
                    block_table=mla.decode.block_table, seq_lens=mla.decode.seq_lens,
-                   slot_mapping=(slot_mapping or {}).get(mla_layer, mla.slot_mapping))
+                   slot_mapping=(slot_mapping or {}).get(mla_layer, mla.slot_mapping), inputs_embeds=inputs_embeds)
 
 
 def fill_step_meta(meta: StepMeta, step: VllmDecodeStep) -> None:
@@ -83,10 +85,19 @@ def fill_step_meta(meta: StepMeta, step: VllmDecodeStep) -> None:
         raise ExecutorError(f"vLLM's MLA block table is {tuple(step.block_table.shape)} for {b} requests but the "
                             f"executor's holds {meta.block_table.shape[1]} blocks per request: build it with "
                             "max_len >= vLLM's max_model_len and vLLM's block size")
-    if step.seq_lens.shape[0] < b or step.slot_mapping.shape[0] < b * q or step.input_ids.shape[0] < b * q:
+    tokens = step.input_ids if step.inputs_embeds is None else step.inputs_embeds
+    if tokens is None or step.seq_lens.shape[0] < b or step.slot_mapping.shape[0] < b * q or tokens.shape[0] < b * q:
         raise ExecutorError(f"vLLM's seq_lens / slot_mapping / input_ids are shorter than {b} requests of {q} tokens")
     if step.num_accepted is not None and step.num_accepted.shape[0] < b:
         raise ExecutorError(f"vLLM's num_accepted_tokens has {step.num_accepted.shape[0]} entries for {b} requests")
+    brings = "token ids" if step.inputs_embeds is None else "embeddings"
+    built = "token ids" if meta.embeds is None else "embeddings"
+    if brings != built:
+        raise ExecutorError(f"the step brings {brings} but the executor was built for {built}; build it with "
+                            "the inputs vLLM passes")
+    if step.inputs_embeds is not None and step.inputs_embeds.shape[1:] != meta.embeds.shape[1:]:
+        raise ExecutorError(f"vLLM's inputs_embeds is {tuple(step.inputs_embeds.shape)}; the model's rows are "
+                            f"{meta.embeds.shape[1]} wide")
 
     device = meta.ids.device
     real = torch.zeros(requests, dtype=torch.bool, device=device)
@@ -101,7 +112,10 @@ def fill_step_meta(meta: StepMeta, step: VllmDecodeStep) -> None:
     _fill(meta.seq_lens, step.seq_lens[:b], real, q)
     _fill(meta.cache_index, step.slot_mapping[:b * q], real_rows,
           torch.arange(rows, dtype=torch.int64, device=device))  # distinct rows of the null block 0
-    _fill(meta.ids, step.input_ids[:b * q], real_rows, 0)
+    if step.inputs_embeds is not None:
+        _fill(meta.embeds, step.inputs_embeds[:b * q], real_rows[:, None], 0)
+    else:
+        _fill(meta.ids, step.input_ids[:b * q], real_rows, 0)
 
 
 def _fill(buf: torch.Tensor, src: torch.Tensor | None, keep: torch.Tensor, pad: int | torch.Tensor) -> None:

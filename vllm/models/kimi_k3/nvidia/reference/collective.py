@@ -9,7 +9,9 @@ this interface gives bit-identical results.
   sums are identities and collectives are not timed).
 - `ThreadGroup`: all ranks of a TP group in one process, one thread per rank, meeting at
   a barrier; used by CPU tests to check that TP-sharded math equals TP1.
-- `TorchDistributed` (torch.distributed, NCCL or gloo) lives with the multi-GPU work.
+- `GatheredCollective`: the rank-ordered sum over any transport that gathers partials;
+  `TorchDistributed` (torch.distributed, NCCL or gloo; latency_specialized/distributed.py) and
+  `VllmCollective` (vLLM's tensor-parallel group; latency_specialized/vllm_collective.py).
 """
 
 from __future__ import annotations
@@ -50,6 +52,21 @@ def ordered_sum(parts: Sequence[torch.Tensor]) -> torch.Tensor:
     for p in parts[1:]:
         acc = acc + p.to(torch.float32)
     return acc.to(parts[0].dtype)
+
+
+class GatheredCollective(Collective):
+    """A collective that moves every rank's raw partial to every rank (`_gather`: [tp, *x.shape],
+    in rank order) and sums them there with `ordered_sum`: bit-identical to `ThreadGroup`
+    whatever the transport, since a gather only moves bytes."""
+
+    def _gather(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return ordered_sum(self._gather(x).unbind(0))
+
+    def all_gather(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+        return torch.cat(self._gather(x).unbind(0), dim=dim)
 
 
 class _Exchange:

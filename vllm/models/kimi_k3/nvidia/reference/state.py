@@ -7,6 +7,10 @@
 | MLA latent | `cache [num_blocks, block_size, r_kv + d_r]` paged | bf16 | block table row r |
 
 R = request capacity, Q = max tokens per request in a step (1 + speculative drafts).
+The pools are allocated here, or adopted (`pools=`): tensors someone else owns, e.g. views
+into vLLM's cache pages, whose slots may lie further apart than a slot's size. Adopted pools
+smaller than the slot rule above needs are addressed only by their owner's metadata
+(`latency_specialized/vllm_step.py`): `segment` then refuses, rather than index past them.
 Slot 0 of each pool is the null slot: padding rows read it and never write real state.
 AttnRes keeps nothing across steps (K3_MATH.md §3.2).
 
@@ -57,10 +61,22 @@ class MLALayerState:
     cache: torch.Tensor
 
 
+def _check_pool(what: str, t: torch.Tensor, shape: tuple, dtype: torch.dtype, device: torch.device) -> None:
+    """An adopted pool: slots of `shape` and `dtype` on `device` (the null slot at least), each slot contiguous."""
+    ok = (t.dim() == 1 + len(shape) and tuple(t.shape[1:]) == shape and t.shape[0] >= 1 and t.dtype == dtype
+          and t.device.type == device.type and device.index in (None, t.device.index)
+          and t[0].is_contiguous() and t.stride(0) >= t[0].numel())
+    if not ok:
+        raise StateError(f"pools: {what} must be a [slots, {', '.join(map(str, shape))}] "
+                         f"{str(dtype).removeprefix('torch.')} tensor on {device} with each slot contiguous; got "
+                         f"{list(t.shape)} {str(t.dtype).removeprefix('torch.')} on {t.device}, strides {tuple(t.stride())}")
+
+
 class DecodeState:
     def __init__(self, cfg: K3TextConfig, shard: ShardShapes, *, max_requests: int,
                  max_len: int, max_q: int = 1, block_size: int = 64,
-                 device: torch.device | str = "cpu"):
+                 device: torch.device | str = "cpu",
+                 pools: tuple[dict[int, KDALayerState], dict[int, MLALayerState]] | None = None):
         if not 1 <= max_q <= 8:
             raise StateError(f"max_q (tokens per request in a step) must be in 1..8, found {max_q}")
         self.cfg, self.shard, self.device = cfg, shard, torch.device(device)
@@ -68,19 +84,28 @@ class DecodeState:
         self.blocks_per_req = -(-max_len // block_size)
         num_blocks = 1 + max_requests * self.blocks_per_req  # block 0 is the null block
         d, h = cfg.kda_head_dim, shard.kda_heads
-        self.kda: dict[int, KDALayerState] = {}
-        self.mla: dict[int, MLALayerState] = {}
-        for i in range(cfg.num_hidden_layers):
-            if cfg.layer_kind(i) == "kda":
-                self.kda[i] = KDALayerState(
-                    rec=torch.zeros(1 + max_requests * max_q, h, d, d, dtype=torch.float32, device=self.device),
-                    conv=torch.zeros(1 + max_requests, 2 + max_q, 3 * shard.kda_proj,
-                                     dtype=torch.bfloat16, device=self.device),
-                )
-            else:
-                self.mla[i] = MLALayerState(cache=torch.zeros(
-                    num_blocks, block_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
-                    dtype=torch.bfloat16, device=self.device))
+        # per layer kind: (pool name, slots this state's slot rule needs, one slot's shape, dtype)
+        shapes = {"kda": (("rec", 1 + max_requests * max_q, (h, d, d), torch.float32),
+                          ("conv", 1 + max_requests, (2 + max_q, 3 * shard.kda_proj), torch.bfloat16)),
+                  "mla": (("cache", num_blocks, (block_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim),
+                           torch.bfloat16),)}
+        kinds = {i: cfg.layer_kind(i) for i in range(cfg.num_hidden_layers)}
+        if pools is None:
+            pools = ({i: KDALayerState(*(torch.zeros(n, *shape, dtype=dt, device=self.device)
+                                         for _, n, shape, dt in shapes["kda"]))
+                      for i, k in kinds.items() if k == "kda"},
+                     {i: MLALayerState(*(torch.zeros(n, *shape, dtype=dt, device=self.device)
+                                         for _, n, shape, dt in shapes["mla"]))
+                      for i, k in kinds.items() if k != "kda"})
+        self.kda, self.mla = pools
+        self.addressable = True  # the slot rule and the static block tables stay inside every pool
+        for i, kind in kinds.items():
+            layer = (self.kda if kind == "kda" else self.mla).get(i)
+            if layer is None:
+                raise StateError(f"pools: layer {i} ({kind.upper()}) has no state; pass one for every layer")
+            for name, n, shape, dtype in shapes["kda" if kind == "kda" else "mla"]:
+                _check_pool(f"layer {i} {name}", getattr(layer, name), shape, dtype, self.device)
+                self.addressable &= getattr(layer, name).shape[0] >= n
         # static block tables: request r owns blocks 1 + r·blocks_per_req …
         ar = torch.arange(self.blocks_per_req, dtype=torch.int32)
         self.block_table = torch.stack([1 + r * self.blocks_per_req + ar for r in range(max_requests)]).to(self.device)
@@ -96,7 +121,14 @@ class DecodeState:
     def conv_slot(self, r: int) -> int:
         return 1 + r
 
+    def _check_addressable(self) -> None:
+        if not self.addressable:
+            raise StateError("the adopted pools are smaller than this state's slot rule needs (max_requests "
+                             f"{self.max_requests} × max_q {self.max_q}, max_len {self.max_len}): their owner's "
+                             "metadata addresses them (vllm_step.fill_step_meta), not requests and segments")
+
     def allocate(self) -> int:
+        self._check_addressable()
         for r, used in enumerate(self.in_use):
             if not used:
                 self.in_use[r] = True
@@ -124,6 +156,7 @@ class DecodeState:
                        block_table=torch.zeros_like(self.block_table[0]))
 
     def segment(self, r: int, row0: int, n: int, prefill: bool) -> Segment:
+        self._check_addressable()
         if not self.in_use[r]:
             raise StateError(f"request slot {r} is not allocated")
         if self.seq_lens[r] + n > self.max_len:

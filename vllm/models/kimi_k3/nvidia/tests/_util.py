@@ -13,6 +13,7 @@ from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import ReferenceO
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.latency_specialized.weights import RandomSource, load_rank
 from vllm.models.kimi_k3.nvidia.reference.model import ReferenceModel
+from vllm.models.kimi_k3.nvidia.reference.state import DecodeState, KDALayerState, MLALayerState
 
 
 def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
@@ -61,7 +62,7 @@ def prefill(model: ReferenceModel, state, prompts: list[list[int]]) -> list[int]
     for r, p in zip(slots, prompts):
         segs.append(state.segment(r, row, len(p), prefill=True))
         row += len(p)
-    model.forward(torch.tensor(sum(prompts, [])), segs, state)
+    model.forward(torch.tensor(sum(prompts, []), device=state.device), segs, state)
     return slots
 
 
@@ -123,3 +124,27 @@ REQUIRE_VLLM = os.environ.get("K3_REQUIRE_VLLM") == "1"
 needs_vllm = pytest.mark.skipif(
     not (REQUIRE_VLLM or _vllm_importable()),
     reason="needs vLLM (import vllm.config failed); the optional job .ci/vllm_cpu_job.sh runs it")
+
+
+def page_views(rec: torch.Tensor, conv: torch.Tensor, gap_bytes: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One KDA layer's pools as vLLM 0.33.0 holds them: one page per slot, the conv state at its start
+    (16-byte rounded) and the recurrent state after it, views with the page as slot stride; the rest
+    of each page (and `gap_bytes` more) is NaN. Returns (page buffer, rec view, conv view) holding
+    rec's and conv's values."""
+    slots = max(rec.shape[0], conv.shape[0])
+    conv_bytes = -(-conv[0].numel() * 2 // 16) * 16
+    page = conv_bytes + rec[0].numel() * 4 + gap_bytes
+    buf = torch.full((slots * page // 4,), float("nan"), device=rec.device)
+    conv_v = torch.as_strided(buf.view(torch.bfloat16), conv.shape, (page // 2, *conv.stride()[1:]))
+    rec_v = torch.as_strided(buf, rec.shape, (page // 4, *rec.stride()[1:]), conv_bytes // 4)
+    conv_v.copy_(conv)
+    rec_v.copy_(rec)
+    return buf, rec_v, conv_v
+
+
+def paged_pools(state: DecodeState, gap_bytes: int = 256):
+    """`state`'s pools for an executor, the KDA ones rebuilt by `page_views` (the MLA caches copied).
+    Returns ((kda, mla) pools, the (page buffer, rec view, conv view) of each KDA layer)."""
+    pages = {i: page_views(st.rec, st.conv, gap_bytes) for i, st in state.kda.items()}
+    kda = {i: KDALayerState(rec=rec, conv=conv) for i, (_, rec, conv) in pages.items()}
+    return (kda, {i: MLALayerState(st.cache.clone()) for i, st in state.mla.items()}), list(pages.values())

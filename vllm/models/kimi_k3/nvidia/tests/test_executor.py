@@ -13,8 +13,10 @@ from vllm.models.kimi_k3.nvidia.latency_specialized.executor import ExecutorErro
 from vllm.models.kimi_k3.nvidia.latency_specialized.moe_padding import pad_moe
 from vllm.models.kimi_k3.nvidia.latency_specialized.sampler import SamplingParams
 from vllm.models.kimi_k3.nvidia.reference.collective import ThreadGroup
+from vllm.models.kimi_k3.nvidia.reference.ops import rms_norm
+from vllm.models.kimi_k3.nvidia.reference.state import KDALayerState, StateError
 
-from ._util import executor_rank_steps, mini_model, prefill
+from ._util import executor_rank_steps, mini_model, paged_pools, prefill
 
 BUCKETS = [(1, 1), (2, 1), (4, 1), (8, 1), (8, 2), (16, 8)]
 
@@ -73,6 +75,58 @@ def test_step_equals_reference_bit_for_bit(model, n_req, q, padded):
                 k = 1 + (j + step) % q
                 ex.state.accept(r, k)
                 ref.accept(r, k)
+
+
+def test_hidden_output_is_what_the_logits_are_computed_from(model):
+    """`output="hidden"` returns the hidden states before the final norm (vLLM's forward output; its
+    compute_logits applies the norm): the final norm and the model's LM head on them give the
+    logits the default executor returns for the same step."""
+    with pytest.raises(ExecutorError, match="output must be one of 'logits', 'hidden'"):
+        _executor(model, output="probs")
+    hid, log = _executor(model, output="hidden"), _executor(model)
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    slots = prefill(model, hid.state, prompts)
+    assert prefill(model, log.state, prompts) == slots
+    ids = torch.tensor([7, 8])
+    h = hid(ids, [hid.state.segment(r, j, 1, prefill=False) for j, r in enumerate(slots)], hid.state)
+    logits = log(ids, [log.state.segment(r, j, 1, prefill=False) for j, r in enumerate(slots)], log.state)
+    assert h.shape == (2, model.cfg.hidden_size) and h.dtype == torch.bfloat16
+    assert torch.equal(model.logits(rms_norm(h, model.w.final_norm, model.cfg.rms_norm_eps)), logits)
+    _same_state(hid.state, log.state)
+
+
+def test_adopted_page_strided_pools_serve_like_own_ones(model):
+    """The executor over vLLM-style pools (`pools=`: KDA slots a page apart, conv and recurrent state in
+    one page) gives the logits and states of the executor over its own pools, bit for bit, and
+    writes nothing between the views."""
+    own = _executor(model)
+    slots = prefill(model, own.state, [[1, 2, 3, 4, 5], [6, 7, 8]])
+    pools, pages = paged_pools(own.state)
+    paged = _executor(model, pools=pools)
+    assert all(st.rec.stride(0) > st.rec[0].numel() for st in paged.state.kda.values())
+    for r in slots:  # the same requests, already prefilled: the pools were copied
+        paged.state.in_use[r], paged.state.seq_lens[r] = True, own.state.seq_lens[r]
+    g = torch.Generator().manual_seed(3)
+    for q in (1, 2, 1):
+        ids = torch.randint(0, 260, (2 * q,), generator=g)
+        want = own(ids, [own.state.segment(r, j * q, q, prefill=False) for j, r in enumerate(slots)], own.state)
+        got = paged(ids, [paged.state.segment(r, j * q, q, prefill=False) for j, r in enumerate(slots)], paged.state)
+        assert torch.equal(got, want)
+        _same_state(paged.state, own.state)
+    for buf, rec, conv in pages:  # only the views were written: every other element is still NaN
+        inside = torch.zeros(buf.numel(), dtype=torch.bool)
+        torch.as_strided(inside, rec.shape, rec.stride(), rec.storage_offset()).fill_(True)
+        halves = torch.zeros(2 * buf.numel(), dtype=torch.bool)  # the conv view indexes bf16 halves
+        torch.as_strided(halves, conv.shape, conv.stride(), conv.storage_offset()).fill_(True)
+        inside |= halves.view(-1, 2).any(dim=1)
+        assert torch.isnan(buf[~inside]).all() and not torch.isnan(buf[inside]).any()
+    with pytest.raises(StateError, match=r"pools: layer \d+ conv must be a \[slots, 10, 384\] bfloat16 .* got \[5, 3, 384\]"):
+        _executor(model, pools=({i: KDALayerState(st.rec, st.conv[:, :3]) for i, st in pools[0].items()}, pools[1]))
+    # pools smaller than our slot rule: addressed only by their owner's metadata, never by segments
+    small = _executor(model, pools=({i: KDALayerState(st.rec[:2], st.conv) for i, st in pools[0].items()}, pools[1]))
+    for use in (small.state.allocate, lambda: small.state.segment(0, 0, 1, prefill=False)):
+        with pytest.raises(StateError, match="their owner's metadata addresses them"):
+            use()
 
 
 def test_padding_rows_write_only_the_null_slot(model):

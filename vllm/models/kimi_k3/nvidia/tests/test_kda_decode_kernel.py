@@ -41,7 +41,7 @@ from vllm.models.kimi_k3.nvidia.kernels.kda_decode import (  # noqa: E402
 )
 from vllm.models.kimi_k3.nvidia.latency_specialized.config import preset  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_kernel_test  # noqa: E402
-from vllm.models.kimi_k3.nvidia.tests._util import DISTRIBUTIONS, draw, rel_err  # noqa: E402
+from vllm.models.kimi_k3.nvidia.tests._util import DISTRIBUTIONS, draw, page_views, rel_err  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.collective import SingleRank  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.kda import (  # noqa: E402
     _gated_rms_norm,
@@ -197,7 +197,9 @@ def _cpu_inputs(heads=6, requests=2, q=2, max_q=4):
     ("g_shape", "g_raw must be [4, 768]"),
     ("conv_weight", "conv_weight must be float32"),
     ("rec_shape", "rec must be [·, 6, 128, 128]"),
-    ("rec_noncontig", "rec must be contiguous"),
+    ("rec_noncontig", "rec must hold each slot contiguously"),
+    ("conv_overlap", "slots may be further apart than a slot's size, never overlap"),
+    ("rec_page_misaligned", "rec slots must start on 16-byte boundaries"),
     ("conv_positions", "conv holds 3 positions"),
     ("slots_dtype", "rec_slots must be int32"),
     ("accepted_shape", "accepted must be [2]"),
@@ -227,6 +229,11 @@ def test_envelope_errors(case, match):
         kw["rec"] = kw["rec"][:, :5]
     elif case == "rec_noncontig":
         kw["rec"] = kw["rec"].transpose(2, 3)
+    elif case == "conv_overlap":
+        kw["conv"] = torch.as_strided(kw["conv"], kw["conv"].shape, (kw["conv"].stride(1), kw["conv"].stride(1), 1))
+    elif case == "rec_page_misaligned":
+        slot = kw["rec"][0].numel()
+        kw["rec"] = torch.as_strided(torch.randn(3 * (slot + 1)), (3, *kw["rec"].shape[1:]), (slot + 1, *kw["rec"].stride()[1:]))
     elif case == "conv_positions":
         kw["conv"] = kw["conv"][:, :3].contiguous()
     elif case == "slots_dtype":
@@ -241,6 +248,16 @@ def test_envelope_errors(case, match):
         kda_decode.launch(**kw)
 
 
+def test_page_strided_pools_pass_the_envelope():
+    """vLLM-style pools (slots a page apart, conv and recurrent state sharing the page) are inside the
+    envelope: on CPU tensors only the device check refuses them."""
+    kw = _cpu_inputs()
+    _, kw["rec"], kw["conv"] = page_views(kw["rec"], kw["conv"], 4096)
+    assert kw["rec"].stride(0) > kw["rec"][0].numel() and kw["conv"].stride(0) > kw["conv"][0].numel()
+    with pytest.raises(KdaEnvelopeError, match="must be a CUDA tensor"):
+        kda_decode.launch(**kw)
+
+
 # ---------------------------------------------------------------- index maps and split (CPU)
 
 
@@ -248,7 +265,7 @@ def test_envelope_errors(case, match):
 def test_index_maps_cover_each_element_once(split):
     """The maps the kernel traces: the state tile, the conv channels a CTA rewrites and the output
     vectors it stores are each a partition of the head's elements over the cluster."""
-    plan = KdaDecodePlan(12, 1, 3, 6400, 1536, 1536, split)
+    plan = _plan(12, 1, 3, 6400, 1536, 1536, split)
     vr = plan.value_rows
     tiles = [(kda_decode.state_row(rank, tid, split), kda_decode.state_vector(tid, i))
              for rank in range(split) for tid in range(plan.threads) for i in range(kda_decode.VECS_PER_LANE)]
@@ -285,10 +302,19 @@ def test_split_heuristic():
 
 # ---------------------------------------------------------------- compile checks (CPU)
 
-COMPILE_CASES = {  # plain decode at TP16, a q = 8 verify at TP1 (512 threads), the tiny model's one head
-    "h6 q1 split8": KdaDecodePlan(6, 1, 3, 3216, 768, 768, 8),
-    "h96 q8 split2": KdaDecodePlan(96, 8, 10, 49376, 12288, 12288, 2),
-    "h1 q1 split8 (tiny)": KdaDecodePlan(1, 1, 3, 656, 128, 128, 8),
+def _plan(heads: int, q: int, positions: int, z: int, g: int, out: int, split: int,
+          page: tuple[int, int] | None = None) -> KdaDecodePlan:
+    """A plan on contiguous pools, or with `page` = (rec, conv) slot strides (vLLM's page-strided pools)."""
+    rec, conv = page or (heads * HEAD_DIM * HEAD_DIM, positions * 3 * heads * HEAD_DIM)
+    return KdaDecodePlan(heads, q, positions, z, g, out, split, rec, conv)
+
+
+COMPILE_CASES = {  # plain decode at TP16, a q = 8 verify at TP1 (512 threads), the tiny model's one head,
+    # and TP16 on vLLM-style pools (conv then recurrent state in one 128 KiB page per slot)
+    "h6 q1 split8": _plan(6, 1, 3, 3216, 768, 768, 8),
+    "h96 q8 split2": _plan(96, 8, 10, 49376, 12288, 12288, 2),
+    "h1 q1 split8 (tiny)": _plan(1, 1, 3, 656, 128, 128, 8),
+    "h6 q1 split8 paged": _plan(6, 1, 3, 3216, 768, 768, 8, page=(2**17 // 4, 2**17 // 2)),
 }
 
 
@@ -482,6 +508,40 @@ def test_every_split(split, evidence):
         z, g_raw = layer.inputs(requests * q, "normal", gen)
         check_step(f"split={split} h=12 q={q} R={requests}", step, rec, conv,
                    run_both(layer, step, z, g_raw, rec, conv, split=split), evidence, failures, split=split)
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads", (1, 6))
+def test_page_strided_pools_equal_contiguous_ones(heads, evidence):
+    """On vLLM-style pools (`page_views`: conv and recurrent state of a slot in one page, pages 4 KiB longer
+    than both) the kernel computes bit for bit what it computes on contiguous pools, writes the same
+    states, and leaves every byte outside the two views alone."""
+    gen = torch.Generator(device="cuda").manual_seed(6300 + heads)
+    layer = Layer(heads, gen)
+    failures: list[str] = []
+    for q, requests, max_q in ((1, 5, 1), (4, 3, 8)):
+        step = Step(requests, q, max_q, random.Random(heads * 10 + q))
+        rec, conv = layer.pools(step.rec_pool, step.conv_pool, max_q, gen)
+        z, g_raw = layer.inputs(requests * q, "normal", gen)
+        want = run_both(layer, step, z, g_raw, rec, conv)[:3]
+        buf, p_rec, p_conv = page_views(torch.zeros_like(rec), torch.zeros_like(conv), 4096)
+        gaps = int(torch.isnan(buf).sum())
+        p_rec.copy_(rec)
+        p_conv.copy_(conv)
+        out = _nan_out(requests * q, layer.p)
+        kda_decode.launch(z, g_raw, *layer.params(), p_rec, p_conv, *step.tensors(), LB, out)
+        got = (out.clone(), p_rec.clone(), p_conv.clone())
+        p_rec.zero_()
+        p_conv.zero_()
+        res = {"out_equal": _equal_with_nan(got[0], want[0]), "rec_equal": _equal_with_nan(got[1], want[1]),
+               "conv_equal": _equal_with_nan(got[2], want[2]), "gaps_untouched": int(torch.isnan(buf).sum()) == gaps}
+        name = f"page-strided pools h={heads} q={q} R={requests} max_q={max_q}"
+        ok = all(res.values())
+        evidence.append({"name": name, "status": "pass" if ok else "fail", **res,
+                         "shape": {"heads": heads, "q": q, "requests": requests, "max_q": max_q}})
+        if not ok:
+            failures.append(f"{name}: {res}")
     assert not failures, "; ".join(failures)
 
 

@@ -5,7 +5,7 @@ against `route`.
 CPU: envelope errors (raised before any CUDA use), the tiling of every K3 per-rank shape at
 every row bucket, and compile checks for sm_90a, sm_100a and sm_103a whose PTX must show the
 design (mma.sync m16n8k16, 16-byte global loads, no local memory, a 64-bit expert offset).
-GPU (marker `gpu`, not yet run): TP1/8/16 per-rank shapes, M in {1, 2, 3, 8, 16, 33, 64}, four
+GPU (marker `gpu`): TP1/8/16 per-rank shapes, M in {1, 2, 3, 8, 16, 33, 64}, four
 router distributions (uniform, skewed, every row the same experts, padding rows/slots, an
 expert repeated within a row, which the router never emits but the kernels define), four
 input distributions, NaN-poisoned output and NaN-poisoned internal buffers (every value used
@@ -28,6 +28,7 @@ import torch
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install nvidia-cutlass-dsl==4.8.1)")
 
 from vllm.models.kimi_k3.nvidia.kernels import moe_combine, moe_experts, moe_router  # noqa: E402
+from vllm.models.kimi_k3.nvidia.kernels.device import facts  # noqa: E402
 from vllm.models.kimi_k3.nvidia.latency_specialized.config import PRESETS  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_kernel_test  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._util import DISTRIBUTIONS, draw  # noqa: E402
@@ -261,7 +262,7 @@ def evidence():
 
 def _poison_buffers(device: torch.device, inter: int) -> None:
     """NaN in the kernels' h / o buffers: a value read before it was written shows in the output."""
-    for buf in moe_experts._device_state(device).buffers(TOP_K, inter, H_LAT):
+    for buf in moe_experts.buffers(facts(device), TOP_K, inter, H_LAT):
         buf.fill_(float("nan"))
 
 

@@ -114,6 +114,8 @@ def _plain(requests: int, q: int, blocks: int) -> VllmDecodeStep:
     (_plain(3, 4, 4), "3 requests but the bucket holds 2"),
     (_plain(2, 4, 9), "max_len >= vLLM's max_model_len"),
     (dataclasses.replace(_plain(2, 4, 4), slot_mapping=torch.zeros(5, dtype=torch.int64)), "shorter than 2 requests"),
+    (dataclasses.replace(_plain(2, 4, 4), inputs_embeds=torch.zeros(8, 64)),
+     "the step brings embeddings but the executor was built for token ids"),
 ])
 def test_steps_that_do_not_fit_the_bucket_are_refused_by_name(step, message):
     with pytest.raises(ExecutorError, match=message):
