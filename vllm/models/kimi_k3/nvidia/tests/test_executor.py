@@ -265,3 +265,31 @@ def test_tensor_parallel_ranks_equal_the_reference_ranks(tp):
     out = ThreadGroup.run(tp, lambda coll: executor_rank_steps(coll, tp))
     assert all(all(same) for same, _ in out), [same for same, _ in out]
     assert all(torch.equal(out[0][1], o[1]) for o in out[1:])  # every rank holds the full-vocab logits
+
+
+def test_the_harness_on_the_executor_gives_the_standard_greedy_tokens_for_256_steps(model):
+    """Issue 8's end-to-end item in its CPU form: the `mini` model through the harness as
+    `k3-decode generate` builds it (dispatcher, `build_specialized`, `Engine`), greedy, two
+    requests of 256 tokens. Every decode step is served by the executor (reference ops here; the
+    kernels' form is the tiny model's on the H200, `test_features_cuda.py` and the evals) and the
+    tokens equal the standard path's, all 256 of each."""
+    from vllm.models.kimi_k3.nvidia.latency_specialized.deployment import Deployment
+    from vllm.models.kimi_k3.nvidia.latency_specialized.dispatch import Dispatcher
+    from vllm.models.kimi_k3.nvidia.latency_specialized.engine import build_specialized
+    from vllm.models.kimi_k3.nvidia.latency_specialized.options import BackendOptions
+
+    steps, prompts = 256, [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8]]
+    max_len = max(map(len, prompts)) + steps
+    reqs = [Request(p, SamplingParams(max_tokens=steps)) for p in prompts]
+    d = Dispatcher(BackendOptions.parse({"decode_backend": "latency_specialized", "allow_unvalidated": True}),
+                   Deployment.describe(gpu="H200", tp=1, max_model_len=max_len, expert_dtype="bfloat16"))
+    ex = build_specialized(model, d, len(reqs), max_len, reference_on_cpu=True)
+    assert ex is not None and d.executor is ex
+    spec = Engine(model, dispatcher=d, specialized=ex, state=ex.state, max_requests=len(reqs), max_len=max_len)
+    std = Engine(model, max_requests=len(reqs), max_len=max_len)
+    got, want = spec.generate(reqs), std.generate(reqs)
+    assert [len(c.output_ids) for c in got] == [steps, steps]
+    assert [c.output_ids for c in got] == [c.output_ids for c in want]
+    assert len(set(want[0].output_ids)) > 8  # not a constant stream, which any path would agree on
+    assert spec.stats.prefill_steps == 1 and spec.stats.paths == {"standard": 1, "specialized": steps - 1}
+    assert d.counters.as_dict()["steps"]["specialized"] == steps - 1
