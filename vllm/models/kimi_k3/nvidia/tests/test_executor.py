@@ -7,10 +7,12 @@ import pytest
 import torch
 
 from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import GLUE, ReferenceOps
-from vllm.models.kimi_k3.nvidia.latency_specialized.deployment import StepFacts
-from vllm.models.kimi_k3.nvidia.latency_specialized.engine import Engine, Request
+from vllm.models.kimi_k3.nvidia.latency_specialized.deployment import Deployment, StepFacts
+from vllm.models.kimi_k3.nvidia.latency_specialized.dispatch import Dispatcher
+from vllm.models.kimi_k3.nvidia.latency_specialized.engine import Engine, Request, build_specialized
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import ExecutorError, SpecializedDecode, StepMeta
 from vllm.models.kimi_k3.nvidia.latency_specialized.moe_padding import pad_moe
+from vllm.models.kimi_k3.nvidia.latency_specialized.options import BackendOptions
 from vllm.models.kimi_k3.nvidia.latency_specialized.sampler import SamplingParams
 from vllm.models.kimi_k3.nvidia.reference.collective import ThreadGroup
 from vllm.models.kimi_k3.nvidia.reference.ops import rms_norm
@@ -273,11 +275,6 @@ def test_the_harness_on_the_executor_gives_the_standard_greedy_tokens_for_256_st
     requests of 256 tokens. Every decode step is served by the executor (reference ops here; the
     kernels' form is the tiny model's on the H200, `test_features_cuda.py` and the evals) and the
     tokens equal the standard path's, all 256 of each."""
-    from vllm.models.kimi_k3.nvidia.latency_specialized.deployment import Deployment
-    from vllm.models.kimi_k3.nvidia.latency_specialized.dispatch import Dispatcher
-    from vllm.models.kimi_k3.nvidia.latency_specialized.engine import build_specialized
-    from vllm.models.kimi_k3.nvidia.latency_specialized.options import BackendOptions
-
     steps, prompts = 256, [[3, 1, 4, 1, 5], [2, 7, 1, 8, 2, 8, 1, 8]]
     max_len = max(map(len, prompts)) + steps
     reqs = [Request(p, SamplingParams(max_tokens=steps)) for p in prompts]
