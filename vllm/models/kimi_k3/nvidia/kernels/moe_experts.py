@@ -23,9 +23,11 @@ the combine reads that row for every repeat, so each pick still adds w_j · expe
 
 Grouping without a host step: CTA (p, tile) looks at pick p's expert e; its threads scan the M·k
 ids, one row each, and list the rows that picked e (first match per row). Only the CTA of e's
-first pick (lowest p) is the leader; it runs the GEMV over all of e's rows (up to M, padded to
-8·⌈M/8⌉ with a repeated real row whose results are never stored), the others exit. So each
-selected expert's weights are read once per launch, and unselected experts never.
+first pick (lowest p) is the leader; it runs the GEMV over all of e's rows, the others exit. So
+each selected expert's weights are read once per launch, and unselected experts never. The
+chunk loop is compiled for 1, 2, 4 … ⌈M/8⌉ atoms of 8 rows (`atom_steps`); the leader runs the
+smallest that holds e's rows, padded with a repeated real row whose results are never stored,
+so at 64 rows an expert picked by 1–8 of them costs one atom of x loads and MMAs, not eight.
 
 GEMV (as kernels/skinny_gemm.py): W is the mma.sync m16n8k16 A operand, loaded by 16-byte
 register loads in a K order permuted so the registers already are fragments; the gathered x
@@ -153,6 +155,24 @@ def _load_x(x_vec: cute.Tensor, dst: cute.Tensor, x_rows: cute.Tensor, atoms: Co
             cute.autovec_copy(x_vec[(0, None), (x_rows[i], col0 + v)], vec)
 
 
+def atom_steps(m_atoms: int) -> list[int]:
+    """The 8-row atom counts the chunk loop is compiled for: 1, 2, 4, … below m_atoms, then m_atoms.
+    An expert with r rows runs the smallest count >= ⌈r/8⌉, so at most half its atoms are padding
+    (beyond the one partial atom) while the kernel holds log2(m_atoms) + 1 loop copies."""
+    steps = []
+    a = 1
+    while a < m_atoms:
+        steps.append(a)
+        a *= 2
+    return steps + [m_atoms]
+
+
+def atom_window(m_atoms: int, i: int) -> tuple[int, int]:
+    """(fewer, atoms): loop copy i of atom_steps serves experts needing fewer < ⌈rows/8⌉ <= atoms."""
+    steps = atom_steps(m_atoms)
+    return (steps[i - 1] if i else 0), steps[i]
+
+
 @cute.jit
 def situ(gate: Float32, up: Float32, beta: Constexpr, linear_beta: Constexpr) -> Float32:
     """SiTU(g, u) in fp32 on the bf16-rounded gate and up (reference/ops.py::situ_and_mul)."""
@@ -166,6 +186,48 @@ def situ(gate: Float32, up: Float32, beta: Constexpr, linear_beta: Constexpr) ->
     if const_expr(linear_beta is not None):
         uc = Float32(linear_beta) * cute.math.tanh(u / Float32(linear_beta))
     return gc * sig * uc
+
+
+@cute.jit
+def _expert_rows_gemv(w_vec: cute.Tensor, x_vec: cute.Tensor, src_row: cute.Tensor, red: cute.Tensor, rows: Int32,
+                      gate_up: Constexpr, n_out: Constexpr, k: Constexpr, atoms: Constexpr, row_tiles: Constexpr,
+                      chunk_atoms: Constexpr, x_atoms: Constexpr, warps_n: Constexpr, warps_k: Constexpr,
+                      tile: Int32, wn: Int32, wk: Int32, g: Int32, c: Int32):
+    """One warp's share of the expert's GEMV over `atoms` 8-row atoms of gathered x rows, its
+    partial sums stored into red[wk, slot, block column]."""
+    lane_elems = 4 * chunk_atoms
+    x_elems = 4 * x_atoms
+    chunk_k = 16 * chunk_atoms
+    n_chunks = k // chunk_k
+    # slots past the expert's rows repeat its last row: computed, never stored
+    x_rows = cute.make_rmem_tensor(cute.make_layout(atoms), Int32)
+    for i in cutlass.range_constexpr(atoms):
+        x_rows[i] = src_row[cutlass.min(g + 8 * i, rows - 1)]
+    my_chunks = (n_chunks - wk + warps_k - 1) // warps_k
+
+    w_next, w_cur, x_frag, acc, mma = mma_registers(lane_elems, 2 * row_tiles, x_elems, row_tiles, atoms)
+
+    if my_chunks > 0:
+        _load_w(w_vec, w_next, gate_up, n_out, row_tiles, warps_n, tile, wn, g,
+                wk * (chunk_k // 8) + c * (lane_elems // 8), lane_elems // 8)
+    for it in cutlass.range(my_chunks):
+        chunk = wk + it * warps_k
+        # chunk i+1 is in flight while chunk i is multiplied
+        w_cur.store(w_next.load())
+        if it + 1 < my_chunks:
+            _load_w(w_vec, w_next, gate_up, n_out, row_tiles, warps_n, tile, wn, g,
+                    (chunk + warps_k) * (chunk_k // 8) + c * (lane_elems // 8), lane_elems // 8)
+        for s in cutlass.range_constexpr(chunk_atoms // x_atoms):
+            _load_x(x_vec, x_frag, x_rows, atoms,
+                    chunk * (chunk_k // 8) + c * (lane_elems // 8) + s * (x_elems // 8), x_elems // 8)
+            mma_step(mma, acc, w_cur, x_frag, s, lane_elems, x_elems, row_tiles, x_atoms, atoms)
+
+    # acc[(v0, v1), r, j]: register row 2r + v1 of the lane group (weight_row), slot 8j + 2c + v0
+    for r in cutlass.range_constexpr(row_tiles):
+        for j in cutlass.range_constexpr(atoms):
+            for v1 in cutlass.range_constexpr(2):
+                for v0 in cutlass.range_constexpr(2):
+                    red[wk, 8 * j + 2 * c + v0, block_column(row_tiles, wn, r, v1, g)] = acc[(v0, v1), r, j]
 
 
 @cute.kernel
@@ -188,11 +250,6 @@ def _expert_gemv_kernel(
     n_w = 2 * n_out if gate_up else n_out  # weight rows per expert
     block_w = 16 * row_tiles * warps_n  # weight rows of one CTA
     block_out = block_w // 2 if gate_up else block_w
-    w_rows = 2 * row_tiles
-    lane_elems = 4 * chunk_atoms
-    x_elems = 4 * x_atoms
-    chunk_k = 16 * chunk_atoms
-    n_chunks = k // chunk_k
     # x: gate/up reads the token row r, down reads h of the pick r·k + j
     x_rows_total = m if gate_up else m * top_k
 
@@ -255,35 +312,15 @@ def _expert_gemv_kernel(
         x_vec = cute.zipped_divide(
             cute.make_tensor(x_ptr, cute.make_layout((x_rows_total, k), stride=(k, 1))), (1, 8))
 
-        # slots past the expert's rows repeat its last row: computed, never stored
-        x_rows = cute.make_rmem_tensor(cute.make_layout(m_atoms), Int32)
-        for i in cutlass.range_constexpr(m_atoms):
-            x_rows[i] = src_row[cutlass.min(g + 8 * i, rows - 1)]
-        my_chunks = (n_chunks - wk + warps_k - 1) // warps_k
-
-        w_next, w_cur, x_frag, acc, mma = mma_registers(lane_elems, w_rows, x_elems, row_tiles, m_atoms)
-
-        if my_chunks > 0:
-            _load_w(w_vec, w_next, gate_up, n_out, row_tiles, warps_n, tile, wn, g,
-                    wk * (chunk_k // 8) + c * (lane_elems // 8), lane_elems // 8)
-        for it in cutlass.range(my_chunks):
-            chunk = wk + it * warps_k
-            # chunk i+1 is in flight while chunk i is multiplied
-            w_cur.store(w_next.load())
-            if it + 1 < my_chunks:
-                _load_w(w_vec, w_next, gate_up, n_out, row_tiles, warps_n, tile, wn, g,
-                        (chunk + warps_k) * (chunk_k // 8) + c * (lane_elems // 8), lane_elems // 8)
-            for s in cutlass.range_constexpr(chunk_atoms // x_atoms):
-                _load_x(x_vec, x_frag, x_rows, m_atoms,
-                        chunk * (chunk_k // 8) + c * (lane_elems // 8) + s * (x_elems // 8), x_elems // 8)
-                mma_step(mma, acc, w_cur, x_frag, s, lane_elems, x_elems, row_tiles, x_atoms, m_atoms)
-
-        # acc[(v0, v1), r, j]: register row 2r + v1 of the lane group (weight_row), slot 8j + 2c + v0
-        for r in cutlass.range_constexpr(row_tiles):
-            for j in cutlass.range_constexpr(m_atoms):
-                for v1 in cutlass.range_constexpr(2):
-                    for v0 in cutlass.range_constexpr(2):
-                        red[wk, 8 * j + 2 * c + v0, block_column(row_tiles, wn, r, v1, g)] = acc[(v0, v1), r, j]
+        # the chunk loop is compiled once per atom count of atom_steps(m_atoms); the CTA runs the
+        # smallest that holds its expert's rows, so x loads and MMAs follow the expert's rows, not M
+        need = (rows + 7) // 8
+        for si in cutlass.range_constexpr(len(atom_steps(m_atoms))):
+            fewer, atoms = atom_window(m_atoms, si)
+            if need > fewer:
+                if need <= atoms:
+                    _expert_rows_gemv(w_vec, x_vec, src_row, red, rows, gate_up, n_out, k, atoms, row_tiles,
+                                      chunk_atoms, x_atoms, warps_n, warps_k, tile, wn, wk, g, c)
         cute.arch.sync_threads()
 
         out = cute.make_tensor(out_ptr, cute.make_layout((m * top_k, n_out), stride=(n_out, 1)))

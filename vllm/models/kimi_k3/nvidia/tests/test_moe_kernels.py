@@ -213,6 +213,21 @@ def test_index_maps_cover_each_weight_row_once_and_pair_gate_with_up(tp, m_atoms
         assert bool((seen == 1).all()), f"tp{tp} gate_up={gate_up}: weight rows loaded {seen.unique().tolist()} times"
 
 
+@pytest.mark.parametrize("m_atoms", range(1, 9))
+def test_atom_steps_hold_every_row_count_with_at_most_half_wasted(m_atoms):
+    """Every expert row count 1..8·m_atoms falls in exactly one loop copy's window, that copy
+    holds its rows, and (past the first) at most half of its atoms are padding."""
+    steps = moe_experts.atom_steps(m_atoms)
+    assert steps == sorted(set(steps)) and steps[0] == 1 and steps[-1] == m_atoms
+    for rows in range(1, 8 * m_atoms + 1):
+        need = -(-rows // 8)
+        chosen = [moe_experts.atom_window(m_atoms, i)[1] for i in range(len(steps))
+                  if moe_experts.atom_window(m_atoms, i)[0] < need <= moe_experts.atom_window(m_atoms, i)[1]]
+        assert len(chosen) == 1, (m_atoms, rows, chosen)
+        assert 8 * chosen[0] >= rows
+        assert chosen[0] == 1 or chosen[0] < 2 * need, (m_atoms, rows, chosen)
+
+
 # ---------------------------------------------------------------- compile checks (CPU)
 
 COMPILE_CASES = [  # (pass, per-rank intermediate, m_atoms)
