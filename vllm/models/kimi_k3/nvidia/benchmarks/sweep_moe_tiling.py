@@ -1,0 +1,144 @@
+"""Tiling sweep of the routed experts' two GEMV passes (kernels/moe_experts.py) on the GPU.
+
+`choose_tiling` was set from the skinny GEMM's measurements, not from the experts' own. This
+times every launchable `ExpertTiling` of a pass (gate/up with SiTU, or down) beside the pick, at
+K3's per-rank shapes and rows M, so that `choose_tiling` can follow measurements:
+
+    python -m vllm.models.kimi_k3.nvidia.benchmarks.sweep_moe_tiling --out $OUT/moe_tiling_sweep.json
+
+Per (TP, M, pass): ROUTING_SETS uniform routings of K3's top-16 over its 896 experts, each
+candidate compiled and run as one CUDA graph of a launch per routing, back to back (consecutive
+launches read different experts, so the L2 stays cold, as in bench_moe.py); its output must
+equal the pick's within the kernel test's bound (warps_k reorders the fp32 sums). Prints per
+(TP, M, pass) the pick's time, the fastest candidate's and its tiling; the JSON holds every
+candidate. A tuning tool, not evidence: it writes no record. Compiles are serial and take
+seconds each, so `--budget-s` stops early and says what it skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+
+import cuda.bindings.driver as cuda
+import torch
+from cutlass import BFloat16, Int32
+
+from ..kernels import moe_experts
+from ..kernels.device import facts
+from ..kernels.moe_experts import ExpertTiling
+from ..kernels.rms_norm import gmem_ptr
+from ..latency_specialized.config import PRESETS
+from ..reference.dense_mlp import activation_clips
+from .bench_skinny_gemm import time_graph
+
+K3 = PRESETS["k3"]
+ROUTING_SETS = 16
+REL_ERR_BOUND = 1e-2  # tests/test_moe_kernels.py's
+SMEM_BYTES = 200 * 1024  # leaves room for the grouping arrays under the H200's 227 KB
+
+
+def candidates(gate_up: bool, n_out: int, k: int, m_atoms: int) -> list[ExpertTiling]:
+    """Every tiling the kernel can launch for this pass: CTAs tile the output exactly, every warp
+    along K has a chunk, 2–8 warps (the grouping needs 64 threads), partial sums fit in shared
+    memory. Register pressure is not filtered: a tiling that spills shows as slow."""
+    out = []
+    for row_tiles in ((2,) if gate_up else (1, 2)):
+        for chunk_atoms, x_atoms in ((8, 4), (4, 2)):
+            if k % (16 * chunk_atoms):
+                continue
+            chunks = k // (16 * chunk_atoms)
+            for warps_k in range(1, 9):
+                for warps_n in (1, 2, 4, 8):
+                    if warps_k > chunks or not 2 <= warps_n * warps_k <= 8:
+                        continue
+                    t = ExpertTiling(row_tiles, chunk_atoms, x_atoms, warps_n, warps_k)
+                    block_w = 16 * row_tiles * warps_n
+                    if n_out % t.block_out(gate_up) or warps_k * 8 * m_atoms * (block_w + 4) * 4 > SMEM_BYTES:
+                        continue
+                    out.append(t)
+    return out
+
+
+def sweep_pass(tp: int, gate_up: bool, m: int, w: torch.Tensor, xs: list[torch.Tensor], ids: list[torch.Tensor],
+               deadline: float) -> dict:
+    """Time each candidate of one pass; the pick first (its output is the comparison)."""
+    n_experts, _, k = w.shape
+    top_k = ids[0].shape[1]
+    n_out = w.shape[1] // 2 if gate_up else w.shape[1]
+    m_atoms = -(-m // 8)
+    beta, linear_beta = activation_clips(K3) if gate_up else (None, None)
+    pick = moe_experts.choose_tiling(gate_up, n_out, k, m_atoms)
+    outs = [torch.full((m * top_k, n_out), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in ids]
+    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
+    reference = None
+    rows = []
+    for tiling in [pick] + [t for t in candidates(gate_up, n_out, k, m_atoms) if t != pick]:
+        if time.monotonic() > deadline:
+            rows.append({"tiling": asdict(tiling), "skipped": "budget"})
+            continue
+        fn = moe_experts.compile_expert_gemv(gate_up, n_experts, top_k, n_out, k, m_atoms, beta, linear_beta,
+                                             tiling, facts(w.device).arch)
+
+        def launch(i: int, fn=fn) -> None:
+            fn(gmem_ptr(BFloat16, w.data_ptr()), gmem_ptr(BFloat16, xs[i].data_ptr()),
+               gmem_ptr(Int32, ids[i].data_ptr(), 4), gmem_ptr(BFloat16, outs[i].data_ptr()), m, stream)
+
+        t_us = time_graph([lambda i=i: launch(i) for i in range(len(ids))])
+        got = torch.cat([o.float() for o in outs])
+        if reference is None:
+            reference = got.clone()
+        rel = float(((got - reference).norm(dim=1) / reference.norm(dim=1).clamp_min(1e-30)).max())
+        rows.append({"tiling": asdict(tiling), "time_us": t_us, "rel_err_vs_pick": rel,
+                     "ok": rel < REL_ERR_BOUND and bool(torch.isfinite(got).all())})
+    timed = [r for r in rows if r.get("ok")]
+    best = min(timed, key=lambda r: r["time_us"]) if timed else None
+    return {"tp": tp, "m": m, "pass": "gate_up" if gate_up else "down", "n_out": n_out, "k": k,
+            "pick": rows[0], "best": best, "candidates": rows}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    # ~30 candidates per pass at a few seconds each: the defaults fit one ten-minute GPU call
+    ap.add_argument("--tps", type=int, nargs="+", default=[16])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop compiling new candidates after this")
+    ap.add_argument("--out", help="JSON file for every candidate's time")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device: the sweep times kernels")
+    deadline = time.monotonic() + args.budget_s
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    h, top_k, n_experts = K3.routed_expert_hidden_size, K3.num_experts_per_token, K3.num_experts
+    results = []
+    for tp in args.tps:
+        inter = K3.shard(tp, 0).moe_inter
+        w13 = (torch.randn(n_experts, 2 * inter, h, generator=gen, device="cuda") * h ** -0.5).to(torch.bfloat16)
+        w2 = (torch.randn(n_experts, h, inter, generator=gen, device="cuda") * inter ** -0.5).to(torch.bfloat16)
+        for m in args.rows:
+            ids = [torch.rand(m, n_experts, generator=gen, device="cuda").argsort(dim=1)[:, :top_k]
+                   .to(torch.int32).contiguous() for _ in range(ROUTING_SETS)]
+            x_lat = [torch.randn(m, h, generator=gen, device="cuda").to(torch.bfloat16) for _ in ids]
+            hidden = [torch.randn(m * top_k, inter, generator=gen, device="cuda").to(torch.bfloat16) for _ in ids]
+            for gate_up, w, xs in ((True, w13, x_lat), (False, w2, hidden)):
+                r = sweep_pass(tp, gate_up, m, w, xs, ids, deadline)
+                results.append(r)
+                best = r["best"]
+                print(f"TP{tp:<3} M={m:<3} {r['pass']:<8} pick {r['pick'].get('time_us', float('nan')):8.1f} us "
+                      f"{r['pick']['tiling']}  best {best['time_us'] if best else float('nan'):8.1f} us "
+                      f"{best['tiling'] if best else '-'}  ({len(r['candidates'])} candidates)", flush=True)
+        del w13, w2
+        torch.cuda.empty_cache()
+    skipped = sum(1 for r in results for c in r["candidates"] if c.get("skipped"))
+    if skipped:
+        print(f"{skipped} candidates skipped: the {args.budget_s:.0f} s budget ran out (--budget-s)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
