@@ -117,8 +117,10 @@ def _child(case: dict) -> dict:
     backed = selected[1:] if case.get("unback_one_selected") else selected
     beta, linear_beta = activation_clips(PRESETS["k3"])
     result = {"selected": len(selected), "backed": len(backed), "unselected": n_experts - len(selected)}
+    # compiled on the dense weights first: a failure up to the sync below is the setup's, and raises
+    moe_experts.launch(x, ids, weights, w13, w2, beta=beta, linear_beta=linear_beta)
     w13_sparse, w2_sparse = _sparse_experts(w13, backed), _sparse_experts(w2, backed)
-    torch.cuda.synchronize()  # a failure up to here is the setup's, and raises
+    torch.cuda.synchronize()
     try:
         out = moe_experts.launch(x, ids, weights, w13_sparse, w2_sparse, beta=beta, linear_beta=linear_beta)
         torch.cuda.synchronize()
