@@ -1,0 +1,47 @@
+# Sourced first by a command on the lent H200 (the `run` tool), so that each call builds,
+# checks and times several things, within its limit, and everything it wrote comes back:
+#
+#   source .ci/h200_call.sh
+#   step moe_test 120 python3 -m pytest -q -p no:cacheprovider -m gpu vllm/models/kimi_k3/nvidia/tests/test_moe_kernels.py
+#   step cov 120 record_coverage vllm/models/kimi_k3/nvidia/tests/test_specialized_steps_cuda.py
+#
+# Needs, from the CPU side: `.devwheels/` carried (`bash ../shared/device/cutedsl_wheels.sh`,
+# plus a cp312 coverage wheel dropped there for record_coverage), and K3_COMMIT set to the
+# checked-out commit (a `.git` in the device copy may name another). GPU tests write their
+# records into $W/ev (K3_EVIDENCE_DIR); benchmarks take `--out $W/ev`. On exit $W is packed into
+# $OUT/results.tgz: the tool returns only a few files, so one archive holds every record and log.
+# A step that could overrun BUDGET seconds (default 570) since the start is skipped, and says so.
+
+[ -n "${K3_COMMIT:-}" ] || { echo "h200_call: set K3_COMMIT=<sha of the checked-out commit> (git rev-parse HEAD on the CPU side)"; exit 2; }
+export FAST_TRACK_COMMIT=${FAST_TRACK_COMMIT:-$K3_COMMIT}
+python3 -c "import tarfile, glob; tarfile.open(glob.glob('.devwheels/cutedsl-*.tar.xz')[0]).extractall('/tmp/site', filter='tar')" ||
+  { echo "h200_call: no .devwheels/cutedsl-*.tar.xz: carry .devwheels (../shared/device/cutedsl_wheels.sh)"; exit 2; }
+python3 -c "import zipfile, glob; [zipfile.ZipFile(w).extractall('/tmp/site') for w in glob.glob('.devwheels/coverage-*.whl')]"
+export PYTHONPATH=/tmp/site/nvidia_cutlass_dsl/dsl_packages:/tmp/site:$PWD PYTHONUNBUFFERED=1
+W=$OUT/w
+export W K3_EVIDENCE_DIR=$W/ev
+mkdir -p "$K3_EVIDENCE_DIR"
+trap 'tar czf "$OUT/results.tgz" -C "$OUT" w && rm -rf "$W"' EXIT
+BUDGET=${BUDGET:-570}
+
+# step NAME SECONDS CMD...: CMD under a time limit, its output in $W/NAME.log, the log's tail printed
+step() {
+  local name=$1 limit=$2 t=$SECONDS
+  shift 2
+  if (( SECONDS + limit > BUDGET )); then echo "=== [${SECONDS}s] $name: skipped (it could overrun BUDGET=$BUDGET s)"; return; fi
+  echo "=== [${SECONDS}s] $name: $*"
+  timeout "$limit" "$@" > "$W/$name.log" 2>&1
+  echo "    $name: exit $? after $((SECONDS - t)) s"
+  tail -"${TAILN:-8}" "$W/$name.log"
+}
+
+# record_coverage PYTEST_ARGS...: the GPU tests under coverage of kernels/, recorded here, where
+# `fast-track record-coverage` can read the GPU and the report's paths are this tree's
+record_coverage() {
+  local model=vllm/models/kimi_k3/nvidia
+  python3 -m coverage run --source="$model/kernels" -m pytest -q -p no:cacheprovider -m gpu "$@" &&
+    python3 -m coverage json -o "$W/coverage.json" &&
+    python3 -m tools.fast_track.cli record-coverage --model "$model" --coverage "$W/coverage.json" \
+      --out "$K3_EVIDENCE_DIR/kernels_coverage.json" --command "coverage run --source=$model/kernels -m pytest -q -m gpu $*"
+}
+export -f record_coverage
