@@ -71,7 +71,7 @@ def sweep_pass(tp: int, gate_up: bool, m: int, w: torch.Tensor, xs: list[torch.T
     m_atoms = -(-m // 8)
     beta, linear_beta = activation_clips(K3) if gate_up else (None, None)
     pick = moe_experts.choose_tiling(gate_up, n_out, k, m_atoms)
-    outs = [torch.full((m * top_k, n_out), float("nan"), dtype=torch.bfloat16, device="cuda") for _ in ids]
+    outs = [torch.empty((m * top_k, n_out), dtype=torch.bfloat16, device="cuda") for _ in ids]
     stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     reference = None
     rows = []
@@ -86,6 +86,8 @@ def sweep_pass(tp: int, gate_up: bool, m: int, w: torch.Tensor, xs: list[torch.T
             fn(gmem_ptr(BFloat16, w.data_ptr()), gmem_ptr(BFloat16, xs[i].data_ptr()),
                gmem_ptr(Int32, ids[i].data_ptr(), 4), gmem_ptr(BFloat16, outs[i].data_ptr()), m, stream)
 
+        for o in outs:  # NaN before each candidate: a row it leaves unwritten shows
+            o.fill_(float("nan"))
         t_us = time_graph([lambda i=i: launch(i) for i in range(len(ids))])
         got = torch.cat([o.float() for o in outs])
         if reference is None:
