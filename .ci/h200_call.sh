@@ -30,6 +30,8 @@ step() {
   shift 2
   if (( SECONDS + limit > BUDGET )); then echo "=== [${SECONDS}s] $name: skipped (it could overrun BUDGET=$BUDGET s)"; return; fi
   echo "=== [${SECONDS}s] $name: $*"
+  # a function of this file (record_coverage) runs in a child bash, which timeout can start
+  if declare -F "$1" > /dev/null; then set -- bash -c '"$@"' _ "$@"; fi
   timeout "$limit" "$@" > "$W/$name.log" 2>&1
   echo "    $name: exit $? after $((SECONDS - t)) s"
   tail -"${TAILN:-8}" "$W/$name.log"
