@@ -5,8 +5,8 @@
                                                            [--tests-only]
 
 Each family runs in its own process (a failing or hanging family does not take the others
-with it), writing its JSON records into DIR. Pass the git commit as K3_COMMIT when the tree
-has no .git (the device copy): the records carry it.
+with it), writing its JSON records into DIR. Pass the git commit as K3_COMMIT on the device
+copy (its .git, if any, may name an older commit): the records carry it.
 """
 
 from __future__ import annotations
