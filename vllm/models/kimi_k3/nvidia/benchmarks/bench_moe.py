@@ -57,6 +57,20 @@ REL_ERR_BOUND = 1e-2
 K3 = PRESETS["k3"]
 
 
+def uniform_routing(m: int, n_experts: int, top_k: int, gen: torch.Generator) -> torch.Tensor:
+    """ids [m, top_k] int32: each row `top_k` distinct experts drawn uniformly (a router's shape)."""
+    ids = torch.rand(m, n_experts, generator=gen, device="cuda").argsort(dim=1)[:, :top_k]
+    return ids.to(torch.int32).contiguous()
+
+
+def expert_weights(tp: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """w13 [E, 2·I, H_lat] and w2 [E, H_lat, I] bf16 of K3's rank at `tp`, scaled for O(1) outputs."""
+    h, inter = K3.routed_expert_hidden_size, K3.shard(tp, 0).moe_inter
+    w13 = torch.randn(K3.num_experts, 2 * inter, h, generator=gen, device="cuda", dtype=torch.bfloat16) * h ** -0.5
+    w2 = torch.randn(K3.num_experts, h, inter, generator=gen, device="cuda", dtype=torch.bfloat16) * inter ** -0.5
+    return w13, w2
+
+
 def _reference_call(w13: torch.Tensor, w2: torch.Tensor):
     inter = w2.shape[2]
 
@@ -89,12 +103,12 @@ def bench_case(tp: int, w13: torch.Tensor, w2: torch.Tensor, m: int, copy_bw: fl
     expert_bytes = (two_inter * h + h * inter) * 2
     sets = []
     for _ in range(ROUTING_SETS):
-        ids = torch.rand(m, n_experts, generator=gen, device="cuda").argsort(dim=1)[:, :top_k].to(torch.int32)
+        ids = uniform_routing(m, n_experts, top_k, gen)
         weights = torch.rand(m, top_k, generator=gen, device="cuda") + 0.05
         weights = (weights / weights.sum(-1, keepdim=True)).contiguous()
         x_lat = torch.randn(m, h, generator=gen, device="cuda").to(torch.bfloat16)
         out = torch.empty(m, h, dtype=torch.bfloat16, device="cuda")
-        sets.append((x_lat, ids.contiguous(), weights, out))
+        sets.append((x_lat, ids, weights, out))
     reference = _reference_call(w13, w2)
 
     def ours(i: int) -> None:
@@ -195,14 +209,9 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.time()
     copy_bw = copy_bandwidth_TBps()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    h = K3.routed_expert_hidden_size
     results = []
     for tp in args.tps:
-        inter = K3.shard(tp, 0).moe_inter
-        w13 = (torch.randn(K3.num_experts, 2 * inter, h, generator=gen, device="cuda", dtype=torch.bfloat16)
-               * h ** -0.5)
-        w2 = (torch.randn(K3.num_experts, h, inter, generator=gen, device="cuda", dtype=torch.bfloat16)
-              * inter ** -0.5)
+        w13, w2 = expert_weights(tp, gen)
         for m in args.rows:
             results.append(bench_case(tp, w13, w2, m, copy_bw, gen))
         del w13, w2

@@ -32,6 +32,7 @@ from ..kernels.moe_experts import ExpertTiling
 from ..kernels.rms_norm import gmem_ptr
 from ..latency_specialized.config import PRESETS
 from ..reference.dense_mlp import activation_clips
+from .bench_moe import expert_weights, uniform_routing
 from .bench_skinny_gemm import time_graph
 
 K3 = PRESETS["k3"]
@@ -117,11 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for tp in args.tps:
         inter = K3.shard(tp, 0).moe_inter
-        w13 = (torch.randn(n_experts, 2 * inter, h, generator=gen, device="cuda") * h ** -0.5).to(torch.bfloat16)
-        w2 = (torch.randn(n_experts, h, inter, generator=gen, device="cuda") * inter ** -0.5).to(torch.bfloat16)
+        w13, w2 = expert_weights(tp, gen)
         for m in args.rows:
-            ids = [torch.rand(m, n_experts, generator=gen, device="cuda").argsort(dim=1)[:, :top_k]
-                   .to(torch.int32).contiguous() for _ in range(ROUTING_SETS)]
+            ids = [uniform_routing(m, n_experts, top_k, gen) for _ in range(ROUTING_SETS)]
             x_lat = [torch.randn(m, h, generator=gen, device="cuda").to(torch.bfloat16) for _ in ids]
             hidden = [torch.randn(m * top_k, inter, generator=gen, device="cuda").to(torch.bfloat16) for _ in ids]
             for gate_up, w, xs in ((True, w13, x_lat), (False, w2, hidden)):

@@ -94,6 +94,7 @@ def _sparse_experts(dense: torch.Tensor, backed: list[int]) -> torch.Tensor:
 def _child(case: dict) -> dict:
     """One case in this process: route, back only the selected experts (all but the lowest for the
     control), run the kernels, compare with the reference on the dense weights."""
+    from vllm.models.kimi_k3.nvidia.benchmarks.bench_moe import uniform_routing
     from vllm.models.kimi_k3.nvidia.kernels import moe_experts
     from vllm.models.kimi_k3.nvidia.latency_specialized.config import PRESETS
     from vllm.models.kimi_k3.nvidia.reference.dense_mlp import activation_clips
@@ -105,9 +106,9 @@ def _child(case: dict) -> dict:
     if case["routing"] == "skewed":  # p ∝ 1/rank²: a few experts take most rows
         p = 1.0 / torch.arange(1, n_experts + 1, device="cuda", dtype=torch.float32) ** 2
         ids = torch.multinomial(p.repeat(m, 1), top_k, replacement=False, generator=gen)
+        ids = ids.to(torch.int32).contiguous()
     else:
-        ids = torch.rand(m, n_experts, generator=gen, device="cuda").argsort(dim=1)[:, :top_k]
-    ids = ids.to(torch.int32).contiguous()
+        ids = uniform_routing(m, n_experts, top_k, gen)
     weights = torch.rand(m, top_k, generator=gen, device="cuda") + 0.05
     weights = (weights / weights.sum(-1, keepdim=True)).contiguous()
     x = draw("normal", (m, H), gen, "cuda")
