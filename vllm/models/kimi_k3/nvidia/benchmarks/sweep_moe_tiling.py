@@ -73,7 +73,6 @@ def sweep_pass(tp: int, gate_up: bool, m: int, w: torch.Tensor, xs: list[torch.T
     beta, linear_beta = activation_clips(K3) if gate_up else (None, None)
     pick = moe_experts.choose_tiling(gate_up, n_out, k, m_atoms)
     outs = [torch.empty((m * top_k, n_out), dtype=torch.bfloat16, device="cuda") for _ in ids]
-    stream = cuda.CUstream(torch.cuda.current_stream().cuda_stream)
     reference = None
     rows = []
     for tiling in [pick] + [t for t in candidates(gate_up, n_out, k, m_atoms) if t != pick]:
@@ -83,9 +82,12 @@ def sweep_pass(tp: int, gate_up: bool, m: int, w: torch.Tensor, xs: list[torch.T
         fn = moe_experts.compile_expert_gemv(gate_up, n_experts, top_k, n_out, k, m_atoms, beta, linear_beta,
                                              tiling, facts(w.device).arch)
 
+        # the stream is read at each launch: time_graph captures on its own stream, and a launch
+        # on a stream fixed before it would stay out of the graph (the first run timed empty graphs)
         def launch(i: int, fn=fn) -> None:
             fn(gmem_ptr(BFloat16, w.data_ptr()), gmem_ptr(BFloat16, xs[i].data_ptr()),
-               gmem_ptr(Int32, ids[i].data_ptr(), 4), gmem_ptr(BFloat16, outs[i].data_ptr()), m, stream)
+               gmem_ptr(Int32, ids[i].data_ptr(), 4), gmem_ptr(BFloat16, outs[i].data_ptr()), m,
+               cuda.CUstream(torch.cuda.current_stream().cuda_stream))
 
         for o in outs:  # NaN before each candidate: a row it leaves unwritten shows
             o.fill_(float("nan"))
