@@ -4,6 +4,7 @@
 #   source .ci/h200_call.sh
 #   step moe_test 120 python3 -m pytest -q -p no:cacheprovider -m gpu vllm/models/kimi_k3/nvidia/tests/test_moe_kernels.py
 #   step cov 120 record_coverage vllm/models/kimi_k3/nvidia/tests/test_specialized_steps_cuda.py
+#   refresh_stale        # every stale GPU record's command, as steps (.ci/h200_refresh.py)
 #
 # Needs, from the CPU side: `.devwheels/` carried (`bash ../shared/device/cutedsl_wheels.sh`,
 # plus a cp312 coverage wheel dropped there for record_coverage), and K3_COMMIT set to the
@@ -47,3 +48,12 @@ record_coverage() {
       --out "$K3_EVIDENCE_DIR/kernels_coverage.json" --command "coverage run --source=$model/kernels -m pytest -q -m gpu $*"
 }
 export -f record_coverage
+
+# refresh_stale: a step for each stale GPU record (`fast-track stale`), its command rewritten for
+# this machine by .ci/h200_refresh.py; what does not fit in BUDGET is skipped and said
+refresh_stale() {
+  python3 .ci/h200_refresh.py "$@" > "$W/refresh.sh" || return
+  echo "=== [${SECONDS}s] refresh_stale: $(grep -c '^step ' "$W/refresh.sh") step(s)"
+  # shellcheck disable=SC1091
+  source "$W/refresh.sh"
+}

@@ -1,0 +1,130 @@
+"""The stale evidence records' refresh commands as `step` lines of .ci/h200_call.sh, for the H200.
+
+    source .ci/h200_call.sh; refresh_stale
+
+A record's command is written as it was run (`python`, `pytest`, `k3-decode`, `--out` to the
+device's evidence folder of that day, `K3_EVIDENCE_DIR=<dir>`), so this rewrites each into what
+the lent machine runs now: `python3 -m`, records into $K3_EVIDENCE_DIR, GPU tests with
+`-m gpu`, coverage through `record_coverage`, sanitizer and `record-tests` records through
+`fast-track record-sanitizer` / `record-tests` with the record's own sources. Each command
+appears once (bench_norms writes three records) with a time limit from its kind, so `step` skips what cannot finish in the call
+and a later call picks it up: copy the records of one call into evidence/h200/ (uncommitted is
+enough, the working tree travels) before the next. Records whose command it cannot rewrite are
+echoed as skipped, never run half-right. Records made on a CPU (no `gpu`) are left to the CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import shlex
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tools.fast_track.evidence import Record  # noqa: E402
+from tools.fast_track.model import ModelError, discover  # noqa: E402
+from tools.fast_track.stale import stale_records  # noqa: E402
+
+# seconds; measured on the H200 (2026-12-03) and given headroom: eval 205 s, depth test 177 s,
+# decode records 33-125 s, the rest under 80 s
+LIMIT_BY_KIND = {"eval": 330, "decode-bench": 170, "sanitizer": 300}
+LIMIT_BY_FILE = {"executor_depth_parity.json": 300, "executor_parity.json": 150}
+DEFAULT_LIMIT = 150
+EV = "$K3_EVIDENCE_DIR"
+# a folder the records were written to on the device, in any session: /root/out/ev, /root/out/w/ev
+_DEVICE_EV = re.compile(r"^/root/out(/w)?/ev(/|$)")
+
+
+def _retarget(arg: str) -> str:
+    """A path into a device evidence folder, or a repository path of a record, into $K3_EVIDENCE_DIR."""
+    if _DEVICE_EV.match(arg):
+        return _DEVICE_EV.sub(EV + r"\2", arg)
+    if "/evidence/" in arg or arg.startswith("docs/"):
+        return f"{EV}/{Path(arg).name}"
+    return arg
+
+
+def _gpu_pytest(args: list[str]) -> list[str]:
+    files = [a for a in args if a.endswith(".py")]
+    keep = []
+    for i, a in enumerate(args):  # a -k selection travels; -q, -m gpu and the file are re-added
+        if a == "-k" and i + 1 < len(args):
+            keep += ["-k", args[i + 1]]
+    return ["python3", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *keep, *files]
+
+
+def device_command(record: Record) -> list[str] | None:
+    """The command that refreshes `record` on the lent H200, or None when its form is unknown."""
+    words = shlex.split(record.command.replace("<dir>", "DIR"))
+    while words and re.fullmatch(r"[A-Z_][A-Z0-9_]*=\S*", words[0]):  # env prefixes: $K3_EVIDENCE_DIR is set
+        words = words[1:]
+    if not words:
+        return None
+    head = words[0]
+    if head == "compute-sanitizer":
+        inner = words[words.index("python3"):] if "python3" in words else None
+        if not inner or "pytest" not in inner or not record.sources:
+            return None
+        sources = [a for s in record.sources for a in ("--source", s)]
+        return ["python3", "-m", "tools.fast_track.cli", "record-sanitizer", "--out", f"{EV}/{Path(record.rel).name}",
+                *sources, "--", *_gpu_pytest(inner[inner.index("pytest") + 1:])]
+    if "exit_code" in record.data and "pytest" in words[:3]:  # made by `fast-track record-tests`
+        if not record.sources:
+            return None
+        sources = [a for s in record.sources for a in ("--source", s)]
+        return ["python3", "-m", "tools.fast_track.cli", "record-tests", "--out", f"{EV}/{Path(record.rel).name}",
+                "--kind", record.kind, "--family", str(record.data.get("family", "")), *sources, "--",
+                *_gpu_pytest(words[words.index("pytest") + 1:])]
+    if head == "coverage":
+        return ["record_coverage", *[a for a in words if a.endswith(".py")]]
+    if head == "pytest" or words[:3] in (["python", "-m", "pytest"], ["python3", "-m", "pytest"]):
+        return _gpu_pytest(words[1:])
+    if head == "k3-decode":
+        return ["python3", "-m", "vllm.models.kimi_k3.nvidia.latency_specialized", *map(_retarget, words[1:])]
+    if head in ("python", "python3") and len(words) > 2 and words[1] == "-m":
+        return ["python3", *map(_retarget, words[1:])]
+    return None
+
+
+def step_lines(records: list[Record]) -> list[str]:
+    lines, seen = [], set()
+    for record in records:
+        name = Path(record.rel).stem
+        cmd = device_command(record)
+        if cmd is None:
+            lines.append(f"echo {shlex.quote(f'=== {name}: skipped, no rewrite for: {record.command}')}")
+            continue
+        text = shlex.join(cmd).replace(shlex.quote(EV), f'"{EV}"')
+        text = re.sub(r"'(\$K3_EVIDENCE_DIR[^']*)'", r'"\1"', text)
+        if text in seen:
+            continue
+        seen.add(text)
+        limit = LIMIT_BY_FILE.get(Path(record.rel).name, LIMIT_BY_KIND.get(record.kind, DEFAULT_LIMIT))
+        lines.append(f"step {name} {limit} {text}")
+    return lines
+
+
+def gpu_records(stale: list[tuple[Record, str]]) -> list[Record]:
+    """The stale records made on a GPU; those made on a CPU (evals on the reference ops) are refreshed there."""
+    return [r for r, _ in stale if r.data.get("gpu") not in (None, "", "none")]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="the model folder (default: the only one discovered)")
+    args = ap.parse_args(argv)
+    try:
+        models = discover(Path.cwd(), args.model)
+    except ModelError as e:
+        sys.exit(f"h200_refresh: {e}")
+    if len(models) != 1:
+        sys.exit(f"h200_refresh: {len(models)} model folders here; pass --model DIR")
+    (model,) = models
+    print("\n".join(step_lines(gpu_records(stale_records(model)))))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,104 @@
+"""`.ci/h200_refresh.py`: each stale record's command rewritten into a `step` the H200 can run.
+
+The lines are sourced by bash there, so these tests source them here too, with a `step` that
+prints its arguments: what matters is how bash splits and expands them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from tools.fast_track.evidence import Record
+
+ROOT = Path(__file__).resolve().parents[5]
+EVIDENCE = ROOT / "vllm/models/kimi_k3/nvidia/evidence/h200"
+_spec = importlib.util.spec_from_file_location("h200_refresh", ROOT / ".ci/h200_refresh.py")
+refresh = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(refresh)
+
+
+def _record(command: str, name: str = "x.json", kind: str = "kernel-test", **data) -> Record:
+    return Record(f"vllm/models/kimi_k3/nvidia/evidence/h200/{name}",
+                  {"kind": kind, "command": command, "gpu": "NVIDIA H200", **data})
+
+
+def _run_steps(lines: list[str]) -> list[list[str]]:
+    """Source the lines under bash; each `step` call comes back as its argument list."""
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    script = ("K3_EVIDENCE_DIR=/ev\nstep() { printf '%s\\0' \"$@\"; printf '\\n'; }\n"
+              "record_coverage() { :; }\n" + "\n".join(lines) + "\n")
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
+    return [line.rstrip("\0").split("\0") for line in out.splitlines() if line]
+
+
+def test_every_committed_gpu_record_has_a_device_command():
+    records = [Record(p.relative_to(ROOT).as_posix(), json.loads(p.read_text())) for p in sorted(EVIDENCE.glob("*.json"))]
+    assert records
+    missing = [r.rel for r in refresh.gpu_records([(r, "") for r in records]) if refresh.device_command(r) is None]
+    assert not missing, f"records whose command h200_refresh cannot rewrite: {missing}"
+
+
+def test_commands_are_rewritten_for_the_device_and_split_as_one_argument_each():
+    records = [
+        _record("K3_EVIDENCE_DIR=<dir> python -m pytest -q -m gpu vllm/models/kimi_k3/nvidia/tests/test_moe_kernels.py",
+                "moe_test.json"),
+        _record("k3-decode eval --device cuda --tasks kv --out vllm/models/kimi_k3/nvidia/evidence/h200/eval_tiny.json "
+                "--table docs/fast_track/eval_tiny_h200.md", "eval_tiny.json", kind="eval"),
+        _record("python -m vllm.models.kimi_k3.nvidia.benchmarks.decode_latency --out /root/out/ev --quick --name d",
+                "d.json", kind="decode-bench"),
+        _record("coverage run --source=vllm/models/kimi_k3/nvidia/kernels -m pytest -q -m gpu "
+                "vllm/models/kimi_k3/nvidia/tests/test_specialized_steps_cuda.py", "kernels_coverage.json"),
+        _record("compute-sanitizer --tool {racecheck,synccheck} python3 -m pytest -q -p no:cacheprovider -m gpu "
+                "vllm/models/kimi_k3/nvidia/tests/test_kda_decode_kernel.py -k 'all_padding or cuda_graph_capture'",
+                "kda_decode_sanitizer.json", kind="sanitizer",
+                sources=["vllm/models/kimi_k3/nvidia/kernels/kda_decode.py"]),
+    ]
+    steps = _run_steps(refresh.step_lines(records))
+    assert [s[:2] for s in steps] == [["moe_test", "150"], ["eval_tiny", "330"], ["d", "170"],
+                                     ["kernels_coverage", "150"], ["kda_decode_sanitizer", "300"]]
+    test, evals, bench, cov, sanitizer = (s[2:] for s in steps)
+    assert test == ["python3", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu",
+                    "vllm/models/kimi_k3/nvidia/tests/test_moe_kernels.py"]
+    assert evals[:4] == ["python3", "-m", "vllm.models.kimi_k3.nvidia.latency_specialized", "eval"]
+    assert evals[evals.index("--out") + 1] == "/ev/eval_tiny.json"
+    assert evals[evals.index("--table") + 1] == "/ev/eval_tiny_h200.md"
+    assert bench[bench.index("--out") + 1] == "/ev" and bench[0] == "python3"
+    assert cov == ["record_coverage", "vllm/models/kimi_k3/nvidia/tests/test_specialized_steps_cuda.py"]
+    assert sanitizer[sanitizer.index("--out") + 1] == "/ev/kda_decode_sanitizer.json"
+    assert sanitizer[sanitizer.index("--source") + 1] == "vllm/models/kimi_k3/nvidia/kernels/kda_decode.py"
+    assert sanitizer[sanitizer.index("-k") + 1] == "all_padding or cuda_graph_capture"
+    assert sanitizer[sanitizer.index("--") + 1:][:3] == ["python3", "-m", "pytest"]
+
+
+def test_a_record_of_fast_track_record_tests_is_made_by_it_again():
+    features = _record("python3 -m pytest -q -p no:cacheprovider -m gpu vllm/models/kimi_k3/nvidia/tests/test_features_cuda.py",
+                       "features_parity.json", kind="parity", family="features", exit_code=0,
+                       sources=["vllm/models/kimi_k3/nvidia/latency_specialized/engine.py"])
+    (step,) = _run_steps(refresh.step_lines([features]))
+    args = step[2:]
+    assert args[:5] == ["python3", "-m", "tools.fast_track.cli", "record-tests", "--out"]
+    assert args[5] == "/ev/features_parity.json"
+    assert args[args.index("--kind") + 1] == "parity" and args[args.index("--family") + 1] == "features"
+    assert args[args.index("--source") + 1] == "vllm/models/kimi_k3/nvidia/latency_specialized/engine.py"
+    assert args[args.index("--") + 1:][-1] == "vllm/models/kimi_k3/nvidia/tests/test_features_cuda.py"
+
+
+def test_a_shared_command_runs_once_and_an_unknown_one_is_said_not_run():
+    norms = "python -m vllm.models.kimi_k3.nvidia.benchmarks.bench_norms --out-dir /root/out/w/ev"
+    lines = refresh.step_lines([_record(norms, "norm_bench.json"), _record(norms, "attn_res_bench.json"),
+                                _record("make bench", "odd.json")])
+    assert sum(line.startswith("step ") for line in lines) == 1
+    assert lines[-1].startswith("echo ") and "odd" in lines[-1] and "make bench" in lines[-1]
+
+
+def test_records_made_on_a_cpu_are_left_to_the_cpu():
+    cpu = Record("vllm/models/kimi_k3/nvidia/evidence/cpu/eval_tiny.json", {"kind": "eval", "command": "k3-decode eval"})
+    gpu = _record("pytest -m gpu vllm/models/kimi_k3/nvidia/tests/test_executor_cuda.py")
+    assert refresh.gpu_records([(cpu, "stale"), (gpu, "stale")]) == [gpu]
