@@ -8,6 +8,8 @@ import os
 import pytest
 import torch
 
+from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (PARITY_MEDIAN_REL, PARITY_VS_BASELINE,
+                                                                    parity_lockstep, parity_status)
 from vllm.models.kimi_k3.nvidia.latency_specialized.config import preset
 from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import ReferenceOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
@@ -148,3 +150,44 @@ def paged_pools(state: DecodeState, gap_bytes: int = 256):
     pages = {i: page_views(st.rec, st.conv, gap_bytes) for i, st in state.kda.items()}
     kda = {i: KDALayerState(rec=rec, conv=conv) for i, (_, rec, conv) in pages.items()}
     return (kda, {i: MLALayerState(st.cache.clone()) for i, st in state.mla.items()}), list(pages.values())
+
+
+class _ExecutorAsModel:
+    """An executor in the shape `decode_latency.parity` calls the eager model in (forward, logits)."""
+
+    def __init__(self, ex: SpecializedDecode):
+        self.ex, self.w = ex, ex.w
+
+    def forward(self, ids, segments, state):
+        return self.ex(ids, segments, state)
+
+    def logits(self, x):
+        return x
+
+
+# a long run also fails when its last quarter's median error exceeds this × its first's (or × the
+# decode records' absolute tolerance, when the first quarter is below it)
+DRIFT_GROWTH = 3.0
+
+
+def long_run_vs_graphed(spec: SpecializedDecode, noisy: SpecializedDecode, graphed: SpecializedDecode,
+                        slots: list[int], q: int, steps: int, gen: torch.Generator) -> tuple[dict, list[str]]:
+    """`steps` steps of `spec` and of the rounding-noise yardstick `noisy`, in lockstep against the
+    graphed standard table `graphed` (the eager path is too slow for thousands of steps), from
+    `spec`'s state. Returns their parity summaries and what failed, if anything: the decode
+    records' rule over the whole run, the same rule on the last quarter (state errors that
+    accumulate would leave the yardstick behind there), and growth from the first quarter to the
+    last. A random-weight model is chaotic, so the yardstick's own error grows too; a KDA state
+    scaled by 1.03 a step leaves it behind while the growth ratio alone does not see it
+    (tests/test_long_run_verdict.py)."""
+    runs, _ = parity_lockstep(_ExecutorAsModel(graphed), {"specialized": spec, "standard_rounding_noise": noisy},
+                              graphed.state, slots, q, steps, gen, required="specialized")
+    s, y = runs["specialized"], runs.get("standard_rounding_noise")
+    failed = []
+    if parity_status(runs) != "pass":
+        failed.append("median error or top-1 agreement beyond the yardstick's (parity_status)")
+    if y and s["rel_err_last_quarter"] > PARITY_VS_BASELINE * y["rel_err_last_quarter"] + 0.02:
+        failed.append("last quarter's median error beyond the yardstick's last quarter")
+    if s["rel_err_last_quarter"] > DRIFT_GROWTH * max(s["rel_err_first_quarter"], PARITY_MEDIAN_REL):
+        failed.append(f"error grew more than {DRIFT_GROWTH}x from the first quarter to the last")
+    return runs, failed
