@@ -7,9 +7,9 @@ device's evidence folder of that day, `K3_EVIDENCE_DIR=<dir>`), so this rewrites
 the lent machine runs now: `python3 -m`, records into $K3_EVIDENCE_DIR, GPU tests with
 `-m gpu`, coverage through `record_coverage`, sanitizer and `record-tests` records through
 `fast-track record-sanitizer` / `record-tests` with the record's own sources. Each command
-appears once (bench_norms writes three records) with a time limit from its kind, so `step` skips what cannot finish in the call
-and a later call picks it up: copy the records of one call into evidence/h200/ (uncommitted is
-enough, the working tree travels) before the next. Records whose command it cannot rewrite are
+appears once (bench_norms writes three records) with a time limit from its kind, so `step`
+skips what cannot finish in the call and a later call picks it up: copy the records of one call
+into evidence/h200/ (uncommitted is enough, the working tree travels) before the next. Records whose command it cannot rewrite are
 echoed as skipped, never run half-right. Records made on a CPU (no `gpu`) are left to the CPU.
 """
 
@@ -30,7 +30,7 @@ from tools.fast_track.stale import stale_records  # noqa: E402
 # seconds; measured on the H200 (2026-12-03) and given headroom: eval 205 s, depth test 177 s,
 # decode records 33-125 s, the rest under 80 s
 LIMIT_BY_KIND = {"eval": 330, "decode-bench": 170, "sanitizer": 300}
-LIMIT_BY_FILE = {"executor_depth_parity.json": 300, "executor_parity.json": 150}
+LIMIT_BY_FILE = {"executor_depth_parity.json": 300}
 DEFAULT_LIMIT = 150
 EV = "$K3_EVIDENCE_DIR"
 # a folder the records were written to on the device, in any session: /root/out/ev, /root/out/w/ev
@@ -55,6 +55,12 @@ def _gpu_pytest(args: list[str]) -> list[str]:
     return ["python3", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *keep, *files]
 
 
+def _recorder(record: Record, tool: str) -> list[str]:
+    """`fast-track TOOL` writing `record` again, with its sources."""
+    sources = [a for s in record.sources for a in ("--source", s)]
+    return ["python3", "-m", "tools.fast_track.cli", tool, "--out", f"{EV}/{Path(record.rel).name}", *sources]
+
+
 def device_command(record: Record) -> list[str] | None:
     """The command that refreshes `record` on the lent H200, or None when its form is unknown."""
     words = shlex.split(record.command.replace("<dir>", "DIR"))
@@ -67,16 +73,12 @@ def device_command(record: Record) -> list[str] | None:
         inner = words[words.index("python3"):] if "python3" in words else None
         if not inner or "pytest" not in inner or not record.sources:
             return None
-        sources = [a for s in record.sources for a in ("--source", s)]
-        return ["python3", "-m", "tools.fast_track.cli", "record-sanitizer", "--out", f"{EV}/{Path(record.rel).name}",
-                *sources, "--", *_gpu_pytest(inner[inner.index("pytest") + 1:])]
+        return [*_recorder(record, "record-sanitizer"), "--", *_gpu_pytest(inner[inner.index("pytest") + 1:])]
     if "exit_code" in record.data and "pytest" in words[:3]:  # made by `fast-track record-tests`
         if not record.sources:
             return None
-        sources = [a for s in record.sources for a in ("--source", s)]
-        return ["python3", "-m", "tools.fast_track.cli", "record-tests", "--out", f"{EV}/{Path(record.rel).name}",
-                "--kind", record.kind, "--family", str(record.data.get("family", "")), *sources, "--",
-                *_gpu_pytest(words[words.index("pytest") + 1:])]
+        return [*_recorder(record, "record-tests"), "--kind", record.kind, "--family",
+                str(record.data.get("family", "")), "--", *_gpu_pytest(words[words.index("pytest") + 1:])]
     if head == "coverage":
         return ["record_coverage", *[a for a in words if a.endswith(".py")]]
     if head == "pytest" or words[:3] in (["python", "-m", "pytest"], ["python3", "-m", "pytest"]):
@@ -89,6 +91,7 @@ def device_command(record: Record) -> list[str] | None:
 
 
 def step_lines(records: list[Record]) -> list[str]:
+    """One `step NAME LIMIT CMD` line per distinct command, $K3_EVIDENCE_DIR left for bash to expand."""
     lines, seen = [], set()
     for record in records:
         name = Path(record.rel).stem
@@ -96,8 +99,7 @@ def step_lines(records: list[Record]) -> list[str]:
         if cmd is None:
             lines.append(f"echo {shlex.quote(f'=== {name}: skipped, no rewrite for: {record.command}')}")
             continue
-        text = shlex.join(cmd).replace(shlex.quote(EV), f'"{EV}"')
-        text = re.sub(r"'(\$K3_EVIDENCE_DIR[^']*)'", r'"\1"', text)
+        text = re.sub(r"'(\$K3_EVIDENCE_DIR[^']*)'", r'"\1"', shlex.join(cmd))
         if text in seen:
             continue
         seen.add(text)
