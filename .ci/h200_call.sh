@@ -25,17 +25,20 @@ mkdir -p "$K3_EVIDENCE_DIR"
 trap 'tar czf "$OUT/results.tgz" -C "$OUT" w && rm -rf "$W"' EXIT
 BUDGET=${BUDGET:-570}
 
-# step NAME SECONDS CMD...: CMD under a time limit, its output in $W/NAME.log, the log's tail printed
+# step NAME SECONDS CMD...: CMD under a time limit, its output in $W/NAME.log, the log's tail
+# printed; returns CMD's exit status (125 when skipped), so `step a ... && step b ...` gates b on a
 step() {
-  local name=$1 limit=$2 t=$SECONDS
+  local name=$1 limit=$2 t=$SECONDS rc
   shift 2
-  if (( SECONDS + limit > BUDGET )); then echo "=== [${SECONDS}s] $name: skipped (it could overrun BUDGET=$BUDGET s)"; return; fi
+  if (( SECONDS + limit > BUDGET )); then echo "=== [${SECONDS}s] $name: skipped (it could overrun BUDGET=$BUDGET s)"; return 125; fi
   echo "=== [${SECONDS}s] $name: $*"
   # a function of this file (record_coverage) runs in a child bash, which timeout can start
   if declare -F "$1" > /dev/null; then set -- bash -c '"$@"' _ "$@"; fi
   timeout "$limit" "$@" > "$W/$name.log" 2>&1
-  echo "    $name: exit $? after $((SECONDS - t)) s"
+  rc=$?
+  echo "    $name: exit $rc after $((SECONDS - t)) s"
   tail -"${TAILN:-8}" "$W/$name.log"
+  return $rc
 }
 
 # record_coverage PYTEST_ARGS...: the GPU tests under coverage of kernels/, recorded here, where
