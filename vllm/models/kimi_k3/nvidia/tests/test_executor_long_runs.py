@@ -16,7 +16,7 @@ executor_long_runs.json.
 import pytest
 import torch
 
-from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (SOURCES, copy_state, fill_state, k3_block,
+from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (SOURCES, fill_state, k3_block,
                                                                     parity_lockstep, parity_status)
 from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import KernelOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
@@ -53,9 +53,8 @@ def test_long_runs_on_a_k3_block_do_not_drift(block, rows, q):
     for r, used in enumerate(spec.state.in_use):  # the previous bucket's requests
         if used:
             spec.state.free(r)
+    # parity_lockstep copies this state (slots included) into every other executor and the eager state
     slots = fill_state(spec.state, rows // q, CONTEXT, torch.Generator(device="cuda").manual_seed(rows * 10 + q))
-    for ex in (graphed, noisy):
-        copy_state(ex.state, spec.state)
     # parity_lockstep copies whole pools, so the eager state has the executors' shape
     eager = model.new_state(max_requests=spec.state.max_requests, max_len=MAX_LEN, max_q=spec.state.max_q)
     gen = torch.Generator(device="cuda").manual_seed(7)

@@ -8,7 +8,7 @@ mini model's chaos (rounding noise alone moves its logits by ~0.15 within 128 st
 
 import torch
 
-from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import copy_state, fill_state
+from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import fill_state
 from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import ReferenceOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import RoundingNoiseOps, TorchOps
@@ -34,8 +34,7 @@ def _verdict(ops) -> tuple[dict, list[str]]:
     model = mini_model()
     kw = dict(max_requests=2, max_len=200, buckets=[(2, 1)], graphs=False)
     spec, noisy, graphed = (SpecializedDecode(model, ops=o, **kw) for o in (ops, RoundingNoiseOps(), TorchOps()))
-    slots = fill_state(spec.state, 2, 20, torch.Generator().manual_seed(1))
-    copy_state(graphed.state, spec.state)
+    slots = fill_state(spec.state, 2, 20, torch.Generator().manual_seed(1))  # copied to the others by the run
     return long_run_vs_graphed(spec, noisy, graphed, slots, 1, STEPS, torch.Generator().manual_seed(7))
 
 
