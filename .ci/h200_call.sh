@@ -25,12 +25,15 @@ mkdir -p "$K3_EVIDENCE_DIR"
 trap 'tar czf "$OUT/results.tgz" -C "$OUT" w && rm -rf "$W"' EXIT
 BUDGET=${BUDGET:-570}
 
-# step NAME SECONDS CMD...: CMD under a time limit, its output in $W/NAME.log, the log's tail
-# printed; returns CMD's exit status (125 when skipped), so `step a ... && step b ...` gates b on a
+# [EXPECT=S] step NAME SECONDS CMD...: CMD under a time limit (cut to what is left of BUDGET), its
+# output in $W/NAME.log, the log's tail printed; skipped when the S seconds it is expected to take
+# (default: its limit) would overrun BUDGET; returns CMD's exit status (125 when skipped), so
+# `step a ... && step b ...` gates b on a
 step() {
   local name=$1 limit=$2 t=$SECONDS rc
   shift 2
-  if (( SECONDS + limit > BUDGET )); then echo "=== [${SECONDS}s] $name: skipped (it could overrun BUDGET=$BUDGET s)"; return 125; fi
+  if (( SECONDS + ${EXPECT:-$limit} > BUDGET )); then echo "=== [${SECONDS}s] $name: skipped (it could overrun BUDGET=$BUDGET s)"; return 125; fi
+  if (( limit > BUDGET - SECONDS )); then limit=$((BUDGET - SECONDS)); fi
   echo "=== [${SECONDS}s] $name: $*"
   # a function of this file (record_coverage) runs in a child bash, which timeout can start
   if declare -F "$1" > /dev/null; then set -- bash -c '"$@"' _ "$@"; fi

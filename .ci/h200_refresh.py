@@ -7,15 +7,17 @@ device's evidence folder of that day, `K3_EVIDENCE_DIR=<dir>`), so this rewrites
 the lent machine runs now: `python3 -m`, records into $K3_EVIDENCE_DIR, GPU tests with
 `-m gpu`, coverage through `record_coverage`, sanitizer and `record-tests` records through
 `fast-track record-sanitizer` / `record-tests` with the record's own sources. Each command
-appears once (bench_norms writes three records) with a time limit from its kind, so `step`
-skips what cannot finish in the call and a later call picks it up: copy the records of one call
-into evidence/h200/ (uncommitted is enough, the working tree travels) before the next. Records whose command it cannot rewrite are
-echoed as skipped, never run half-right. Records made on a CPU (no `gpu`) are left to the CPU.
+appears once (bench_norms writes three records) with a time limit from its kind and, where the
+record says how long it ran (`wall_s`), the time it is expected to take, so `step` skips what
+cannot finish in the call and a later call picks it up: copy the records of one call into
+evidence/h200/ (uncommitted is enough, the working tree travels) before the next. Records whose
+command it cannot rewrite are echoed as skipped, never run half-right. Records made on a CPU (no `gpu`) are left to the CPU.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import shlex
 import sys
@@ -33,6 +35,9 @@ from tools.fast_track.stale import stale_records  # noqa: E402
 LIMIT_BY_KIND = {"eval": 330, "decode-bench": 170, "sanitizer": 300}
 LIMIT_BY_FILE = {"executor_depth_parity.json": 450, "executor_long_runs.json": 570}
 DEFAULT_LIMIT = 150
+# a record that says how long its run took (`wall_s`) is expected to take this much again, so a
+# call fits as many as its budget holds; the limit stays, raised to twice that where it is lower
+EXPECT_FACTOR, EXPECT_EXTRA_S = 1.3, 15
 EV = "$K3_EVIDENCE_DIR"
 # a folder the records were written to on the device, in any session: /root/out/ev, /root/out/w/ev
 _DEVICE_EV = re.compile(r"^/root/out(/w)?/ev(/|$)")
@@ -92,7 +97,8 @@ def device_command(record: Record) -> list[str] | None:
 
 
 def step_lines(records: list[Record]) -> list[str]:
-    """One `step NAME LIMIT CMD` line per distinct command, $K3_EVIDENCE_DIR left for bash to expand."""
+    """One `[EXPECT=S] step NAME LIMIT CMD` line per distinct command, $K3_EVIDENCE_DIR left for
+    bash to expand."""
     lines, seen = [], set()
     for record in records:
         name = Path(record.rel).stem
@@ -105,7 +111,12 @@ def step_lines(records: list[Record]) -> list[str]:
             continue
         seen.add(text)
         limit = LIMIT_BY_FILE.get(Path(record.rel).name, LIMIT_BY_KIND.get(record.kind, DEFAULT_LIMIT))
-        lines.append(f"step {name} {limit} {text}")
+        wall = record.data.get("wall_s")
+        if isinstance(wall, (int, float)) and wall > 0:  # its last run's time, with headroom
+            expect = math.ceil(EXPECT_FACTOR * wall) + EXPECT_EXTRA_S
+            lines.append(f"EXPECT={expect} step {name} {max(limit, 2 * expect)} {text}")
+        else:
+            lines.append(f"step {name} {limit} {text}")
     return lines
 
 

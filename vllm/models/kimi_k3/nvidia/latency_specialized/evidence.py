@@ -3,7 +3,8 @@
 One format for every record, so one checker reads them all: what ran (`command`), where (GPU
 name, compute capability, driver), with what (torch and nvidia-cutlass-dsl versions, git commit),
 over which sources (`sources` and `source_hash`, the sha256 of their bytes, so a record goes
-stale when they change) and what came out (`results`, `targets`). The git commit comes from the
+stale when they change), how long its process had run when it was written (`wall_s`: what a
+refresh on a lent GPU must budget, .ci/h200_refresh.py) and what came out (`results`, `targets`). The git commit comes from the
 checkout, unless the environment variable K3_COMMIT names it (the device copy of the tree
 carries a .git that may point at an older commit than its files), else "unknown".
 """
@@ -67,6 +68,17 @@ def _driver() -> str:
     return "unknown"
 
 
+def process_wall_s() -> float | None:
+    """Seconds since this process started (Linux /proc), None where that cannot be read."""
+    try:
+        # field 22 of /proc/self/stat, counted after the parenthesised command name (field 2)
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return round(uptime - start_ticks / os.sysconf("SC_CLK_TCK"), 1)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _gpu() -> tuple[str, str]:
     import torch
 
@@ -112,6 +124,7 @@ def write_record(path: str | Path, kind: str, family: str, command: str,
     }
     if extra:
         record.update(extra)
+    record.setdefault("wall_s", process_wall_s())
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=1, sort_keys=False) + "\n")

@@ -24,12 +24,24 @@ def test_kernel_test_record_format(tmp_path, monkeypatch):
     path = record_kernel_test("x.json", "demo", "tests/x.py", SOURCES, results, "all cases pass", extra={"bound": 1e-2})
     rec = json.loads(open(path).read())
     for key in ("kind", "family", "command", "gpu", "compute_capability", "driver", "versions", "commit",
-                "sources", "source_hash", "results", "targets"):
+                "sources", "source_hash", "wall_s", "results", "targets"):
         assert key in rec, key
     assert (rec["kind"], rec["family"]) == ("kernel-test", "demo")
     assert rec["source_hash"] == source_hash(SOURCES) and rec["sources"] == SOURCES
     assert rec["targets"] == [{"name": "all cases pass", "target": "all pass", "value": 0.5, "met": False}]
     assert rec["results"] == results and "tests/x.py" in rec["command"]
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="no /proc: wall_s is None there")
+def test_wall_s_counts_from_the_process_start():
+    """A record's wall_s is what a refresh budgets for (.ci/h200_refresh.py): the whole run,
+    imports included, not the time since some later mark."""
+    code = ("import time; time.sleep(1.5)\n"
+            "from vllm.models.kimi_k3.nvidia.latency_specialized.evidence import process_wall_s\n"
+            "print(process_wall_s())")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(__file__) + "/../../../../..")
+    assert 1.4 <= float(out.stdout) < 30
 
 
 def test_partial_selection_names_what_narrows_the_run():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -36,6 +37,14 @@ def _run_steps(lines: list[str]) -> list[list[str]]:
               "record_coverage() { :; }\n" + "\n".join(lines) + "\n")
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
     return [line.rstrip("\0").split("\0") for line in out.splitlines() if line]
+
+
+def _expects(lines: list[str]) -> list[str]:
+    """The EXPECT each `step` call saw ("-" for none)."""
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    script = "step() { echo \"${EXPECT:--}\"; }\nrecord_coverage() { :; }\n" + "\n".join(lines) + "\n"
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout.split()
 
 
 def test_every_committed_gpu_record_has_a_device_command():
@@ -102,3 +111,29 @@ def test_records_made_on_a_cpu_are_left_to_the_cpu():
     cpu = Record("vllm/models/kimi_k3/nvidia/evidence/cpu/eval_tiny.json", {"kind": "eval", "command": "k3-decode eval"})
     gpu = _record("pytest -m gpu vllm/models/kimi_k3/nvidia/tests/test_executor_cuda.py")
     assert refresh.gpu_records([(cpu, "stale"), (gpu, "stale")]) == [gpu]
+
+
+def test_a_record_that_says_how_long_it_ran_is_expected_to_take_that_again():
+    timed = _record("pytest -m gpu vllm/models/kimi_k3/nvidia/tests/test_executor_cuda.py", "a.json", wall_s=40.0)
+    slow = _record("pytest -m gpu vllm/models/kimi_k3/nvidia/tests/test_moe_kernels.py", "b.json", wall_s=200.0)
+    untimed = _record("pytest -m gpu vllm/models/kimi_k3/nvidia/tests/test_situ_mul_kernel.py", "c.json")
+    lines = refresh.step_lines([timed, slow, untimed])
+    assert _expects(lines) == ["67", "275", "-"]  # 1.3 x wall_s + 15 s; none without wall_s
+    assert [s[:2] for s in _run_steps(lines)] == [["a", "150"], ["b", "550"], ["c", "150"]]  # limit >= 2 x expected
+
+
+def test_step_skips_by_what_a_step_is_expected_to_take_and_cuts_its_limit_to_the_budget(tmp_path):
+    """The `step` of .ci/h200_call.sh itself: EXPECT decides the skip for its own call only, and
+    a limit beyond what is left of BUDGET is cut to it."""
+    if shutil.which("bash") is None or shutil.which("timeout") is None:
+        pytest.skip("no bash or timeout")
+    step_fn = re.search(r"^step\(\) \{.*?^\}", (ROOT / ".ci/h200_call.sh").read_text(), re.S | re.M).group(0)
+    script = (f"W={tmp_path}\nBUDGET=100\n{step_fn}\n"
+              "EXPECT=50 step fits 170 bash -c 'echo ran'; echo \"rc $?\"\n"
+              "EXPECT=150 step over 170 bash -c 'echo ran'; echo \"rc $?\"\n"
+              "step plain 170 bash -c 'echo ran'; echo \"rc $?\"\n"
+              "SECONDS=98; EXPECT=1 step cut 10 sleep 5; echo \"rc $?\"\n")
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
+    assert "fits: exit 0" in out and "over: skipped" in out and "plain: skipped" in out
+    assert out.count("rc 125") == 2 and "rc 0" in out
+    assert "cut: exit 124" in out  # its 10 s limit cut to the 2 s left, so 5 s of sleep overrun it
