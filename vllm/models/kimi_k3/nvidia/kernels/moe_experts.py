@@ -22,8 +22,10 @@ within a row (the router never does this) is computed once, into the row of its 
 the combine reads that row for every repeat, so each pick still adds w_j · expert(x).
 
 Grouping without a host step: CTA (p, tile) looks at pick p's expert e; its threads scan the M·k
-ids, one row each, and list the rows that picked e (first match per row). Only the CTA of e's
-first pick (lowest p) is the leader; it runs the GEMV over all of e's rows, the others exit. So
+ids, one row each, and two warp ballots mark the rows that picked e (first match per row): their
+popcounts give e's row count and each row's slot, their lowest bit e's first pick, with no serial
+loop (M·k × tiles CTAs run this, 57 344 in the TP16 down pass). Only the CTA of e's first pick
+(lowest p) is the leader; it runs the GEMV over all of e's rows, the others exit. So
 each selected expert's weights are read once per launch, and unselected experts never. The
 chunk loop is compiled for 1, 2, 4 … ⌈M/8⌉ atoms of 8 rows (`atom_steps`); the leader runs the
 smallest that holds e's rows, padded with a repeated real row whose results are never stored,
@@ -174,6 +176,12 @@ def atom_window(m_atoms: int, i: int) -> tuple[int, int]:
 
 
 @cute.jit
+def _trailing_zeros(word: Int32) -> Int32:
+    """Index of the lowest set bit of `word` (32 when none is set)."""
+    return Int32(cute.arch.clz(cute.arch.brev(word)))
+
+
+@cute.jit
 def situ(gate: Float32, up: Float32, beta: Constexpr, linear_beta: Constexpr) -> Float32:
     """SiTU(g, u) in fp32 on the bf16-rounded gate and up (reference/ops.py::situ_and_mul)."""
     g = gate.to(BFloat16).to(Float32)
@@ -257,7 +265,7 @@ def _expert_gemv_kernel(
     hit = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), byte_alignment=16)
     src_row = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), byte_alignment=16)
     dst_pick = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), byte_alignment=16)
-    info = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=16)  # (rows, leader)
+    ballots = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=16)  # rows 0-31, 32-63
     pitch = block_w + 4  # spreads a warp's stores over the banks
     red = smem.allocate_tensor(
         Float32, cute.make_layout((warps_k, 8 * m_atoms, block_w), stride=(8 * m_atoms * pitch, pitch, 1)),
@@ -266,7 +274,9 @@ def _expert_gemv_kernel(
     ids = cute.make_tensor(ids_ptr, cute.make_layout(m * top_k))
     expert = ids[pick]
 
-    # grouping: thread r < M finds the first j with ids[r, j] == expert
+    # grouping: thread r < M finds the first j with ids[r, j] == expert; warps 0 and 1 (rows
+    # 0-31 and 32-63) ballot which rows hold it, so every CTA, the many that exit at once
+    # included, learns the expert's rows and first pick from two words instead of a serial scan
     if tid < MAX_ROWS:
         j_hit = Int32(-1)
         if tid < m:
@@ -274,37 +284,34 @@ def _expert_gemv_kernel(
                 if ids[tid * top_k + j] == expert:
                     j_hit = Int32(j)
         hit[tid] = j_hit
+        votes = cute.arch.vote_ballot_sync(j_hit >= 0)
+        if lane == 0:
+            ballots[warp] = votes
     cute.arch.sync_threads()
-    if tid < MAX_ROWS:
-        j_mine = hit[tid]
-        if j_mine >= 0:
-            slot = Int32(0)
-            for r in cutlass.range(tid):
-                if hit[r] >= 0:
-                    slot += 1
-            src_row[slot] = tid if const_expr(gate_up) else tid * top_k + j_mine
-            dst_pick[slot] = tid * top_k + j_mine
-    if tid == 0:
-        found = Int32(0)
-        first = Int32(-1)
-        for r in cutlass.range(m):
-            if hit[r] >= 0:
-                if found == 0:
-                    first = r * top_k + hit[r]
-                found += 1
-        info[0] = found
-        # padding ids (outside [0, E)) lead nothing; nested ifs keep every comparison a device
-        # branch instead of relying on how Python's `and` is traced
-        leader = Int32(0)
-        if expert >= 0:
-            if expert < n_experts:
-                if first == pick:
-                    leader = Int32(1)
-        info[1] = leader
-    cute.arch.sync_threads()
+    low = ballots[0]
+    rows = cute.arch.popc(low) + cute.arch.popc(ballots[1])
+    first_row = 32 + _trailing_zeros(ballots[1])
+    if low != 0:
+        first_row = _trailing_zeros(low)
+    # padding ids (outside [0, E)) lead nothing; a valid expert has at least its own pick's row.
+    # Nested ifs keep every comparison a device branch instead of relying on how Python's `and`
+    # is traced
+    leader = Int32(0)
+    if expert >= 0:
+        if expert < n_experts:
+            if first_row * top_k + hit[first_row] == pick:
+                leader = Int32(1)
 
-    if info[1] == 1:
-        rows = info[0]
+    if leader == 1:
+        if tid < MAX_ROWS:
+            j_mine = hit[tid]
+            if j_mine >= 0:
+                # rows before this one that hold the expert: this warp's lower lanes, plus all of
+                # warp 0's for warp 1
+                slot = cute.arch.popc(ballots[warp] & Int32(cute.arch.lanemask_lt())) + warp * cute.arch.popc(low)
+                src_row[slot] = tid if const_expr(gate_up) else tid * top_k + j_mine
+                dst_pick[slot] = tid * top_k + j_mine
+        cute.arch.sync_threads()
         # 64-bit: E·rows·K exceeds 2^31 elements at K3's shapes; the divisibility keeps the
         # pointer's 16-byte alignment known, so the W loads stay 16-byte vectors
         w_expert = w_ptr + cute.assume(Int64(expert) * Int64(n_w * k), divby=8)
