@@ -11,7 +11,8 @@ appears once (bench_norms writes three records) with a time limit from its kind 
 record says how long it ran (`wall_s`), the time it is expected to take, so `step` skips what
 cannot finish in the call and a later call picks it up: copy the records of one call into
 evidence/h200/ (uncommitted is enough, the working tree travels) before the next. Records whose
-command it cannot rewrite are echoed as skipped, never run half-right. Records made on a CPU (no `gpu`) are left to the CPU.
+command it cannot rewrite are echoed as skipped, never run half-right. Records made on a CPU (no
+`gpu`) are left to the CPU.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from tools.fast_track.evidence import Record  # noqa: E402
 from tools.fast_track.model import ModelError, discover  # noqa: E402
 from tools.fast_track.stale import stale_records  # noqa: E402
 
-# seconds; measured on the H200 (2026-12-03/04) and given headroom: eval 188-205 s, decode records
+# seconds; measured on the H200 (2026-12-03) and given headroom: eval 188-205 s, decode records
 # 30-125 s, the rest under 90 s; the depth test took 177 s before its yardstick ran in lockstep and
 # overran 280 s after; the 12-layer long runs are estimated from the decode records' step times
 LIMIT_BY_KIND = {"eval": 330, "decode-bench": 170, "sanitizer": 300}

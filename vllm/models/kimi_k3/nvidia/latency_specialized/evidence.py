@@ -4,9 +4,10 @@ One format for every record, so one checker reads them all: what ran (`command`)
 name, compute capability, driver), with what (torch and nvidia-cutlass-dsl versions, git commit),
 over which sources (`sources` and `source_hash`, the sha256 of their bytes, so a record goes
 stale when they change), how long its process had run when it was written (`wall_s`: what a
-refresh on a lent GPU must budget, .ci/h200_refresh.py) and what came out (`results`, `targets`). The git commit comes from the
-checkout, unless the environment variable K3_COMMIT names it (the device copy of the tree
-carries a .git that may point at an older commit than its files), else "unknown".
+refresh on a lent GPU must budget, .ci/h200_refresh.py) and what came out (`results`,
+`targets`). The git commit comes from the checkout, unless the environment variable K3_COMMIT
+names it (the device copy of the tree carries a .git that may point at an older commit than its
+files), else "unknown".
 """
 
 from __future__ import annotations

@@ -1,12 +1,15 @@
 """decode_latency's block-parity verdict: the rounding-noise yardstick, with top-1 agreement judged
-as a rate over the tokens it was counted on."""
+as a rate over the tokens it was counted on, each point's parity run over at least
+PARITY_MIN_TOKENS tokens."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import fill_state, parity_lockstep, parity_status
+from vllm.models.kimi_k3.nvidia.benchmarks import decode_latency
+from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (PARITY_MIN_TOKENS, fill_state, parity_lockstep,
+                                                                  parity_status)
 from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import ReferenceOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import RoundingNoiseOps
@@ -72,3 +75,30 @@ def test_lockstep_parity_serves_every_path_from_one_standard_run():
     with pytest.raises(RuntimeError, match="broken on purpose"):
         parity_lockstep(model, {"failing": failing}, std, slots, 1, 2, torch.Generator().manual_seed(1),
                         required="failing")
+
+
+class _Stop(Exception):
+    pass
+
+
+@pytest.mark.parametrize("rows, q, steps", [(1, 1, 64), (2, 1, 32), (3, 1, 22), (8, 8, 8), (8, 1, 8), (4, 2, 16)])
+def test_a_point_runs_parity_over_at_least_the_minimum_tokens(monkeypatch, rows, q, steps):
+    """run_point hands parity_lockstep --parity-steps (8 here), raised where a step has fewer than
+    PARITY_MIN_TOKENS / 8 tokens: one row's 8 steps judged the yardstick on 8 tokens."""
+    seen = {}
+
+    def capture(model, executors, std_state, slots, q_, n, gen, *, required):
+        seen.update(steps=n, q=q_, requests=len(slots))
+        raise _Stop
+
+    monkeypatch.setattr(decode_latency, "parity_lockstep", capture)
+    model = mini_model(seed=2)
+    requests = rows // q
+    ex = SpecializedDecode(model, max_requests=requests, max_len=128, buckets=[(rows, q)], ops=ReferenceOps(),
+                           graphs=False, log=lambda _: None)
+    with pytest.raises(_Stop):
+        decode_latency.run_point(model, {"specialized": ex}, model.new_state(max_requests=requests, max_len=128),
+                                 16, rows, q, 40, reps=1, parity_steps=8, copy_bw=4.0, gen=torch.Generator())
+    assert seen == {"steps": steps, "q": q, "requests": requests}
+    assert steps * rows >= PARITY_MIN_TOKENS
+    assert decode_latency.parity_steps_at(64, 8) == 8 and decode_latency.parity_steps_at(1, 100) == 100

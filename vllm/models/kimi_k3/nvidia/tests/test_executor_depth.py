@@ -8,11 +8,14 @@
   0.13-0.32 within 16 steps. So the yardstick
   is the standard table with every GEMM output moved by up to one bf16 rounding
   (`torch_ops.RoundingNoiseOps`): the spread any correct bf16 implementation may show. Checks:
-  - anchor, 16 steps from one state, each against eager: the specialized path within
-    decode_latency's rule (1.5x the yardstick's median error + 0.02, top-1 likewise);
+  - anchor, 16 steps from one state (64 at one row: decode_latency.parity_steps_at), each
+    against eager: the specialized path within decode_latency's rule (1.5x the yardstick's
+    median error + 0.02, top-1 likewise);
   - long run, 2048 steps at rows 1 and 256 verify steps at rows 8 (q 8), logits every step,
-    against the graphed standard table (the eager one takes ~0.3 s a step at this depth): the
-    last quarter's median error at most 3x the first quarter's (state errors would accumulate).
+    the specialized path and the yardstick in lockstep against the graphed standard table (the
+    eager one takes ~0.3 s a step at this depth), judged by `_util.long_run_vs_graphed`: the same
+    rule over the run and over its last quarter, and no growth beyond 3x from the first quarter
+    (its own, or the yardstick's where that is higher).
 - MoE form (experts cut to 32, top-16 routing kept): every op of one step at every layer,
   kernel against reference on identical inputs (`op_parity.ComparedOps`).
 """
@@ -21,18 +24,19 @@ import pytest
 import torch
 
 from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (FULL_LAYERS, PARITY_OP_REL,
-                                                                    SOURCES, copy_state, fill_state, k3_block, parity,
-                                                                    parity_lockstep, parity_status)
+                                                                    SOURCES, copy_state, fill_state, k3_block,
+                                                                    parity_lockstep, parity_status, parity_steps_at)
 from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import KernelOps, ReferenceOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.latency_specialized.op_parity import ComparedOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import RoundingNoiseOps, TorchOps
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_parity
+from vllm.models.kimi_k3.nvidia.tests._util import VERDICT, long_run_max_len, long_run_vs_graphed
 
 CONTEXT = 1000
 RUNS = {(1, 1): 2048, (8, 8): 256}  # bucket -> steps of the long run
 ANCHOR_STEPS = 16
-MAX_LEN = CONTEXT + max(steps * q for (_, q), steps in RUNS.items()) + ANCHOR_STEPS * 8 + 8
+MAX_LEN = long_run_max_len(CONTEXT, RUNS, ANCHOR_STEPS)
 RESULTS: list[dict] = []
 
 
@@ -40,20 +44,7 @@ RESULTS: list[dict] = []
 def record():
     yield
     record_parity("executor_depth_parity.json", "executor", "vllm/models/kimi_k3/nvidia/tests/test_executor_depth.py",
-                  [*SOURCES, "vllm/models/kimi_k3/nvidia/latency_specialized/op_parity.py"], RESULTS)
-
-
-class _AsModel:
-    """An executor in the shape `parity` calls the eager model in, so it can be the comparator."""
-
-    def __init__(self, ex: SpecializedDecode):
-        self.ex, self.w = ex, ex.w
-
-    def forward(self, ids, segments, state):
-        return self.ex(ids, segments, state)
-
-    def logits(self, x):
-        return x
+                  [*SOURCES, "vllm/models/kimi_k3/nvidia/latency_specialized/op_parity.py", VERDICT], RESULTS)
 
 
 @pytest.fixture(scope="module")
@@ -78,17 +69,17 @@ def test_long_runs_at_full_depth_do_not_drift(dense, rows, q):
     # anchor: each path against eager from the same state (parity copies it over first); the
     # rounding-noise table is the baseline of decode_latency's rule
     anchor, _ = parity_lockstep(model, {"specialized": spec, "standard_rounding_noise": noisy,
-                                        "standard_graphed": graphed}, eager, slots, q, ANCHOR_STEPS, gen,
-                                required="specialized")
+                                        "standard_graphed": graphed}, eager, slots, q,
+                                parity_steps_at(rows, ANCHOR_STEPS), gen, required="specialized")
     anchored = parity_status(anchor) == "pass"
-    # the long run: specialized against the graphed standard table, from the state the anchor left
-    run = parity(_AsModel(graphed), spec, graphed.state, slots, q, RUNS[(rows, q)], gen)
-    grows = run["rel_err_last_quarter"] > 3 * max(run["rel_err_first_quarter"], 1e-3)
-    RESULTS.append({"name": f"{FULL_LAYERS}-layer dense rows{rows} q{q} ctx{CONTEXT}: {run['steps']} steps vs graphed "
-                    "standard", "status": "pass" if anchored and not grows else "fail",
-                    "anchor_vs_eager": anchor, **run})
+    # the long run: specialized and the yardstick against the graphed standard table, from the
+    # state the anchor left
+    runs, failed = long_run_vs_graphed(spec, noisy, graphed, slots, q, RUNS[(rows, q)], gen)
+    RESULTS.append({"name": f"{FULL_LAYERS}-layer dense rows{rows} q{q} ctx{CONTEXT}: {RUNS[(rows, q)]} steps vs "
+                    "graphed standard", "status": "pass" if anchored and not failed else "fail", "failed": failed,
+                    "anchor_vs_eager": anchor, **runs["specialized"], "long_run": runs})
     assert anchored, anchor
-    assert not grows, run
+    assert not failed, (failed, runs)
 
 
 @pytest.mark.gpu
