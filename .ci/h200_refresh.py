@@ -31,8 +31,8 @@ from tools.fast_track.model import ModelError, discover  # noqa: E402
 from tools.fast_track.stale import stale_records  # noqa: E402
 
 # seconds; measured on the H200 (2026-12-03) and given headroom: eval 188-205 s, decode records
-# 30-125 s, the rest under 90 s; the depth test took 177 s before its yardstick ran in lockstep and
-# overran 280 s after; the 12-layer long runs are estimated from the decode records' step times
+# 30-155 s, the rest under 90 s; the depth test took 177 s before its yardstick ran in lockstep and
+# 355 s after (2026-12-04); the 12-layer long runs are estimated from the decode records' step times
 LIMIT_BY_KIND = {"eval": 330, "decode-bench": 170, "sanitizer": 300}
 LIMIT_BY_FILE = {"executor_depth_parity.json": 450, "executor_long_runs.json": 570}
 DEFAULT_LIMIT = 150
