@@ -12,14 +12,15 @@ is higher) to the last. Routing flips make the per-step error O(0.5) at any poin
 (benchmarks/decode_latency.py, PARITY_*), so the yardstick, not an absolute bound, says what is
 too far.
 
-Two test files run it, each writing its own "parity" record, because a record must come from one
-whole run and one run must fit one call on a lent GPU: rows 64 alone replays three graphs of
-~20-45 ms 2048 times (test_executor_long_runs_rows64.py), the other buckets together take about
-as long (test_executor_long_runs.py).
+Two test files run it (`long_run_tests`), each writing its own "parity" record, because a record
+must come from one whole run and one run must fit one call on a lent GPU: rows 64 alone replays
+three graphs of ~20-45 ms 2048 times (test_executor_long_runs_rows64.py), the other buckets
+together take about as long (test_executor_long_runs.py).
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (SOURCES, fill_state, k3_block, parity_lockstep,
@@ -27,6 +28,7 @@ from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (SOURCES, fill_
 from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import KernelOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import RoundingNoiseOps, TorchOps
+from vllm.models.kimi_k3.nvidia.tests._evidence import record_parity
 from vllm.models.kimi_k3.nvidia.tests._util import VERDICT, long_run_max_len, long_run_vs_graphed
 
 TP = 16
@@ -71,3 +73,29 @@ class BlockLongRuns:
                   "graphed standard", "status": "pass" if anchored and not failed else "fail", "failed": failed,
                   "anchor_vs_eager": anchor, **runs["specialized"], "long_run": runs}
         return result, anchored, failed
+
+
+def long_run_tests(runs: dict[tuple[int, int], int], record_file: str, test_file: str):
+    """The fixtures and the test of one long-run test file, which binds them to module names so
+    pytest collects them: the block built once for `runs`, one test per bucket, and the record
+    `record_file` written from the whole run."""
+    results: list[dict] = []
+
+    @pytest.fixture(scope="module", autouse=True)
+    def record():
+        yield
+        record_parity(record_file, "executor", test_file, LONG_RUN_SOURCES, results)
+
+    @pytest.fixture(scope="module")
+    def block():
+        return BlockLongRuns(runs)
+
+    @pytest.mark.gpu
+    @pytest.mark.parametrize("rows, q", list(runs))
+    def test_long_runs_on_a_k3_block_do_not_drift(block, rows, q):
+        result, anchored, failed = block.run(rows, q)
+        results.append(result)
+        assert anchored, result["anchor_vs_eager"]
+        assert not failed, (failed, result["long_run"])
+
+    return record, block, test_long_runs_on_a_k3_block_do_not_drift

@@ -2,31 +2,9 @@
 the method is in `_block_long_runs.py`, the smaller buckets in test_executor_long_runs.py.
 Written as the "parity" record executor_long_runs_rows64.json."""
 
-import pytest
-
-from vllm.models.kimi_k3.nvidia.tests._block_long_runs import LONG_RUN_SOURCES, BlockLongRuns
-from vllm.models.kimi_k3.nvidia.tests._evidence import record_parity
+from vllm.models.kimi_k3.nvidia.tests._block_long_runs import long_run_tests
 
 RUNS = {(64, 1): 2048}  # (rows, q) -> steps of the long run
-RESULTS: list[dict] = []
 
-
-@pytest.fixture(scope="module", autouse=True)
-def record():
-    yield
-    record_parity("executor_long_runs_rows64.json", "executor",
-                  "vllm/models/kimi_k3/nvidia/tests/test_executor_long_runs_rows64.py", LONG_RUN_SOURCES, RESULTS)
-
-
-@pytest.fixture(scope="module")
-def block():
-    return BlockLongRuns(RUNS)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("rows, q", list(RUNS))
-def test_long_runs_on_a_k3_block_do_not_drift(block, rows, q):
-    result, anchored, failed = block.run(rows, q)
-    RESULTS.append(result)
-    assert anchored, result["anchor_vs_eager"]
-    assert not failed, (failed, result["long_run"])
+record, block, test_long_runs_on_a_k3_block_do_not_drift = long_run_tests(
+    RUNS, "executor_long_runs_rows64.json", "vllm/models/kimi_k3/nvidia/tests/test_executor_long_runs_rows64.py")
