@@ -32,8 +32,8 @@ from tools.fast_track.stale import stale_records  # noqa: E402
 
 # seconds; measured on the H200 (2026-12-03) and given headroom: eval 188-205 s, decode records
 # 30-155 s, the rest under 90 s; the depth test took 177 s before its yardstick ran in lockstep and
-# 355 s after (2026-12-04); the 12-layer long runs took 217 s at rows 1, 8 and q 8 (2026-12-04),
-# rows 64 is estimated from the decode records' step times (about 4 min)
+# 355 s after (2026-12-04); the 12-layer long runs took 203-217 s at rows 1, 8 and q 8 and
+# 256 s at rows 64 (2026-12-04)
 LIMIT_BY_KIND = {"eval": 330, "decode-bench": 170, "sanitizer": 300}
 LIMIT_BY_FILE = {"executor_depth_parity.json": 450, "executor_long_runs.json": 400,
                  "executor_long_runs_rows64.json": 450}
