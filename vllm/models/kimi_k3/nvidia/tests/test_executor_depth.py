@@ -1,11 +1,12 @@
 """The executor at K3's full depth: all 93 layers of a TP16 rank-0 shard, long runs (#8, form b).
 
-- Long runs on the MoE form (experts cut to 32 so the shard fits one GPU, top-16 routing kept).
-  At this depth random-weight logits are chaotic: a first H200 run (dense MLP in every layer)
-  measured the specialized path 0.28 from eager over the first four steps, the graphed standard
-  table (which differs from eager in almost no rounding) 0.03, growing to 0.13-0.32 within 16
-  steps; routing flips add O(0.3) more (PARITY_* in benchmarks/decode_latency.py). So the
-  yardstick is the standard table with every GEMM output moved by up to one bf16 rounding
+- Dense form (K3's dense SiTU MLP in every layer: with random weights, top-16 routing turns
+  bf16-sized differences into O(0.3) logit changes; PARITY_* in benchmarks/decode_latency.py).
+  At this depth random-weight logits are chaotic even so: a first H200 run measured the
+  specialized path 0.28 from eager over the first four steps (the first quarter's median), the
+  graphed standard table (which differs from eager in almost no rounding) 0.03, growing to
+  0.13-0.32 within 16 steps. So the yardstick
+  is the standard table with every GEMM output moved by up to one bf16 rounding
   (`torch_ops.RoundingNoiseOps`): the spread any correct bf16 implementation may show. Checks:
   - anchor, 16 steps from one state (64 at one row: decode_latency.parity_steps_at), each
     against eager: the specialized path within decode_latency's rule (1.5x the yardstick's
@@ -15,8 +16,8 @@
     eager one takes ~0.3 s a step at this depth), judged by `_util.long_run_vs_graphed`: the same
     rule over the run and over its last quarter, and no growth beyond 3x from the first quarter
     (its own, or the yardstick's where that is higher).
-- Per op, on the same form: every op of one step at every layer, kernel against reference on
-  identical inputs (`op_parity.ComparedOps`).
+- MoE form (experts cut to 32, top-16 routing kept): every op of one step at every layer,
+  kernel against reference on identical inputs (`op_parity.ComparedOps`).
 """
 
 import pytest
@@ -35,7 +36,6 @@ from vllm.models.kimi_k3.nvidia.tests._util import VERDICT, long_run_max_len, lo
 CONTEXT = 1000
 RUNS = {(1, 1): 2048, (8, 8): 256}  # bucket -> steps of the long run
 ANCHOR_STEPS = 16
-EXPERTS = 32  # of 896: all 93 layers' experts fit one H200 (K3_MATH.md §5), top-16 routing kept
 MAX_LEN = long_run_max_len(CONTEXT, RUNS, ANCHOR_STEPS)
 RESULTS: list[dict] = []
 
@@ -48,16 +48,16 @@ def record():
 
 
 @pytest.fixture(scope="module")
-def full_depth():
-    model = k3_block(16, layers=FULL_LAYERS, experts=EXPERTS)
+def dense():
+    model = k3_block(16, layers=FULL_LAYERS, dense=True)
     kw = dict(max_requests=1, max_len=MAX_LEN, buckets=list(RUNS))
     return model, *(SpecializedDecode(model, ops=ops, **kw) for ops in (KernelOps(), TorchOps(), RoundingNoiseOps()))
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rows, q", list(RUNS))
-def test_long_runs_at_full_depth_do_not_drift(full_depth, rows, q):
-    model, spec, graphed, noisy = full_depth
+def test_long_runs_at_full_depth_do_not_drift(dense, rows, q):
+    model, spec, graphed, noisy = dense
     for ex in (spec, graphed, noisy):
         ex.state.free(0)
     slots = fill_state(spec.state, rows // q, CONTEXT, torch.Generator(device="cuda").manual_seed(rows))
@@ -75,16 +75,16 @@ def test_long_runs_at_full_depth_do_not_drift(full_depth, rows, q):
     # the long run: specialized and the yardstick against the graphed standard table, from the
     # state the anchor left
     runs, failed = long_run_vs_graphed(spec, noisy, graphed, slots, q, RUNS[(rows, q)], gen)
-    RESULTS.append({"name": f"{FULL_LAYERS}-layer moe ({EXPERTS} experts, top-16) rows{rows} q{q} ctx{CONTEXT}: "
-                    f"{RUNS[(rows, q)]} steps vs graphed standard", "status": "pass" if anchored and not failed else "fail", "failed": failed,
+    RESULTS.append({"name": f"{FULL_LAYERS}-layer dense rows{rows} q{q} ctx{CONTEXT}: {RUNS[(rows, q)]} steps vs "
+                    "graphed standard", "status": "pass" if anchored and not failed else "fail", "failed": failed,
                     "anchor_vs_eager": anchor, **runs["specialized"], "long_run": runs})
     assert anchored, anchor
     assert not failed, (failed, runs)
 
 
 @pytest.mark.gpu
-def test_every_kernel_matches_its_reference_op_at_every_layer(full_depth):
-    model = full_depth[0]
+def test_every_kernel_matches_its_reference_op_at_every_layer():
+    model = k3_block(16, layers=FULL_LAYERS, experts=32)
     ops = ComparedOps(KernelOps(), ReferenceOps())
     ex = SpecializedDecode(model, max_requests=4, max_len=CONTEXT + 8, buckets=[(4, 1)], ops=ops, graphs=False)
     slots = fill_state(ex.state, 4, CONTEXT, torch.Generator(device="cuda").manual_seed(11))
@@ -94,6 +94,6 @@ def test_every_kernel_matches_its_reference_op_at_every_layer(full_depth):
     bad = [(op, i, err) for op, i, err in ops.report
            if (err < 0.99 if op == "route.ids_equal" else not err <= PARITY_OP_REL)]
     errs = [err for op, _, err in ops.report if op != "route.ids_equal"]
-    RESULTS.append({"name": f"{FULL_LAYERS}-layer moe ({EXPERTS} experts, top-16) rows4: per-op kernel vs reference",
+    RESULTS.append({"name": f"{FULL_LAYERS}-layer moe (32 experts, top-16) rows4: per-op kernel vs reference",
                     "ops_compared": len(errs), "worst_op_rel_err": max(errs), "status": "fail" if bad else "pass"})
     assert not bad, bad
