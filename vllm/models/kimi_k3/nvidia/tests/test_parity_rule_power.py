@@ -1,18 +1,18 @@
 """Can the parity rule fail? Its power on each random-weight form the parity records judge.
 
 The decode records, the long runs and the depth test pass the specialized path when its median
-logit error stays within PARITY_VS_BASELINE × the rounding-noise yardstick's, plus 0.02
-(`decode_latency.parity_status`). Random-weight logits are chaotic, and where the yardstick is
-itself decorrelated from the reference that bound passes anything: on the H200 (2026-12-04) the
-93-layer block with 32 experts put the yardstick, the graphed torch table and the kernels all at
-1.22-1.25 from eager. So this measures, per form and bucket, what a decorrelated path scores:
-the graphed standard table stepped from another random state on the same tokens (the null),
-beside the yardstick, both against the graphed standard table. It asserts that the rule's bound
-lies below the null's 10th percentile over the steps wherever a record judges by it (a wholly
-decorrelated path fails; one wrong op among many lands between the yardstick and the null, so
-the margin left, recorded, is how much room the rule has), and that the 93-layer 32-expert form
-has no such power (the bound above the null's median), which is why test_executor_depth.py runs
-its long runs on dense MLPs; if that assertion ever fails, the MoE form can replace them.
+logit error stays within PARITY_VS_BASELINE × the rounding-noise yardstick's, plus 0.02, and its
+top-1 agreement near the yardstick's (`decode_latency.parity_status`). Random-weight logits are
+chaotic, and where the yardstick is itself far from the reference that rule passes anything: on
+the H200 (2026-12-04) the 93-layer block with 32 experts put the yardstick, the graphed torch
+table and the kernels all at 1.22-1.25 from eager. So this scores, per form and bucket, a path
+that ignores the request's context: the graphed standard table stepped from another random
+state on the same tokens (the null), beside the yardstick, both against the graphed standard
+table, and asks `parity_status` whether the null would pass. Where it would, the records'
+logit parity cannot tell a path that loses the context (a broken attention or KDA state) from a
+correct one, and only the per-op parity (op_parity.ComparedOps, every op against the reference
+on identical inputs) and the dense-MLP forms' bounds carry the proof. The 93-layer 32-expert form
+is asserted to be such a form, which is why test_executor_depth.py runs its long runs dense.
 """
 
 import gc
@@ -21,8 +21,8 @@ import statistics
 import pytest
 import torch
 
-from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (FULL_LAYERS, PARITY_VS_BASELINE, copy_state,
-                                                                    fill_state, k3_block, parity_steps_at)
+from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (FULL_LAYERS, copy_state, fill_state, k3_block,
+                                                                    parity_status, parity_steps_at)
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import RoundingNoiseOps, TorchOps
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_parity
@@ -58,8 +58,8 @@ def _free_all(state) -> None:
 
 
 def rule_power(form: str, block_args: dict, buckets: list[tuple[int, int]]) -> list[dict]:
-    """Per bucket: the yardstick's and the null's median error against the graphed standard
-    table over the same steps and tokens, and the rule's bound from the yardstick's."""
+    """Per bucket: the yardstick's and the null's summaries against the graphed standard table
+    over the same steps and tokens, and the rule's verdict on the null."""
     gc.collect()  # the previous form's executors and graphs
     torch.cuda.empty_cache()
     model = k3_block(**block_args)
@@ -79,28 +79,29 @@ def rule_power(form: str, block_args: dict, buckets: list[tuple[int, int]]) -> l
         segs = lambda st: [st.segment(r, j * q, q, prefill=False) for j, r in enumerate(slots)]  # noqa: E731
         ids = torch.randint(0, model.w.lm_head.shape[0], (rows,), generator=gen, device="cuda")
         errs: dict[str, list[float]] = {"yardstick": [], "null": []}
+        top1: dict[str, list[float]] = {"yardstick": [], "null": []}
         for _ in range(steps[(rows, q)]):
             want = ref(ids, segs(ref.state), ref.state).double()
             for name, ex in (("yardstick", noisy), ("null", other)):
                 got = ex(ids, segs(ex.state), ex.state).double()
                 errs[name].append(float((got - want).norm() / want.norm()))
+                top1[name].append(float((got.argmax(-1) == want.argmax(-1)).float().mean()))
             ids = want.argmax(-1)
-        y, null = (statistics.median(errs[k]) for k in ("yardstick", "null"))
-        null_p10 = statistics.quantiles(errs["null"], n=10)[0]
-        bound = PARITY_VS_BASELINE * y + 0.02
-        out.append({"name": f"{form} rows{rows} q{q} ctx{CONTEXT}: rule bound vs decorrelated path",
-                    "steps": steps[(rows, q)], "tokens": steps[(rows, q)] * rows, "yardstick_rel_err_median": y,
-                    "null_rel_err_median": null, "null_rel_err_p10": null_p10, "rule_bound": bound,
-                    "margin_below_null_p10": null_p10 - bound})
+        summary = {name: {"steps": steps[(rows, q)], "tokens": steps[(rows, q)] * rows,
+                          "rel_err_median": statistics.median(errs[name]),
+                          "top1_agreement": statistics.mean(top1[name])} for name in errs}
+        verdict = parity_status({"specialized": summary["null"], "standard_rounding_noise": summary["yardstick"]})
+        out.append({"name": f"{form} rows{rows} q{q} ctx{CONTEXT}: the parity rule on a context-blind path",
+                    "yardstick": summary["yardstick"], "null": summary["null"], "rule_on_null": verdict})
     return out
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("form", list(FORMS))
-def test_the_rule_fails_a_decorrelated_path(form):
+def test_the_rule_fails_a_context_blind_path(form):
     results = rule_power(form, *FORMS[form])
     for r in results:
-        r["status"] = "pass" if r["margin_below_null_p10"] > 0 else "fail"
+        r["status"] = "pass" if r["rule_on_null"] == "fail" else "fail"
     RESULTS.extend(results)
     assert all(r["status"] == "pass" for r in results), results
 
@@ -109,8 +110,8 @@ def test_the_rule_fails_a_decorrelated_path(form):
 def test_the_93_layer_moe_form_cannot_judge_long_runs():
     form, block_args, buckets = UNUSABLE
     results = rule_power(form, block_args, buckets)
-    for r in results:  # recorded as what it is: this form's rule passes a decorrelated path
-        r["status"] = "pass" if r["rule_bound"] >= r["null_rel_err_median"] else "fail"
+    for r in results:  # recorded as what it is: this form's rule passes a context-blind path
+        r["status"] = "pass" if r["rule_on_null"] == "pass" else "fail"
         r["expect"] = "no power (why test_executor_depth.py runs dense)"
     RESULTS.extend(results)
     assert all(r["status"] == "pass" for r in results), results
