@@ -35,6 +35,12 @@ FORMS = {
     "12-layer block, 896 experts, TP8": (dict(tp=8), [(1, 1), (64, 1), (8, 8)]),
     "93-layer dense, TP16": (dict(tp=16, layers=FULL_LAYERS, dense=True), [(1, 1), (8, 8)]),
 }
+# a known defect of the evidence, kept visible: the H200 run of 2026-12-04 found the rule passing
+# the null at every bucket of the 896-expert block (routing flips put the yardstick at 0.60-0.77,
+# a context-blind path at 0.55-1.00, top-1 0.06-0.28 against 0.14-0.27); strict, so that the
+# test says so once a rule with power (routing pinned to the reference's) replaces it
+NO_POWER_YET = pytest.mark.xfail(strict=True, reason="the logit rule cannot fail a context-blind path on the "
+                                 "896-expert block (REVIEW.md); per-op parity carries the proof there")
 UNUSABLE = ("93-layer, 32 experts, TP16", dict(tp=16, layers=FULL_LAYERS, experts=32), [(1, 1)])
 SOURCES = ["vllm/models/kimi_k3/nvidia/benchmarks/decode_latency.py",
            "vllm/models/kimi_k3/nvidia/latency_specialized/executor.py",
@@ -97,7 +103,7 @@ def rule_power(form: str, block_args: dict, buckets: list[tuple[int, int]]) -> l
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("form", [pytest.param(f, marks=NO_POWER_YET) if "896" in f else f for f in FORMS])
 def test_the_rule_fails_a_context_blind_path(form):
     results = rule_power(form, *FORMS[form])
     for r in results:
