@@ -1,0 +1,175 @@
+"""Logit parity with routing pinned: an end-to-end check with power on the MoE forms.
+
+test_parity_rule_power.py measured that the decode records' logit rule passes a context-blind
+path on the 896-expert block: routing flips (top-16 of 896, scores within ~0.03 of each other)
+turn bf16 roundings into O(0.6) logit changes, as large as losing the context. Here every MoE
+layer of every path takes the eager standard path's routing (ids and weights) of the same step,
+recorded while eager computes it; each path's own router still runs (the router kernel's tests
+check its choices: planted ties, per op). What is left is continuous, so the rounding-noise
+yardstick (pinned as well) shrinks toward the dense forms' size, and the same rule
+(`decode_latency.parity_status`) is asked twice per bucket: the kernels must pass it, and the
+pinned standard table stepped from another random state on the same tokens (context-blind)
+must fail it. Paths run without CUDA graphs, since a pin is handed over on the host each step.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+
+import pytest
+import torch
+
+from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import copy_state, fill_state, parity_status
+from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import DecodeOps, ReferenceOps
+from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
+from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import RoundingNoiseOps, TorchOps
+from vllm.models.kimi_k3.nvidia.reference import moe as ref_moe
+from vllm.models.kimi_k3.nvidia.tests._evidence import record_parity
+from vllm.models.kimi_k3.nvidia.tests._util import mini_model
+
+CONTEXT = 1000
+BUCKETS = {(1, 1): 64, (8, 1): 8, (8, 8): 8, (64, 1): 4}  # (rows, q) -> steps (64 tokens or more)
+RESULTS: list[dict] = []
+
+
+def pinned(base: type[DecodeOps]) -> DecodeOps:
+    """`base`'s ops, except that `route` returns the next pin (weights, ids) once its own router ran
+    (its own routing while `pins` is None: the executor's build runs a first step)."""
+
+    class Pinned(base):
+        pins: deque | None = None
+
+        def route(self, logits, bias, cfg):
+            weights, ids = super().route(logits, bias, cfg)
+            if self.pins is None:
+                return weights, ids
+            if not self.pins:
+                raise AssertionError("a MoE layer routed with no pin left: the paths' MoE layers differ")
+            w, i = self.pins.popleft()
+            if w.shape != weights.shape or i.shape != ids.shape:
+                raise AssertionError(f"pin shapes {tuple(w.shape)}/{tuple(i.shape)} differ from the path's "
+                                     f"{tuple(weights.shape)}/{tuple(ids.shape)}")
+            return w.to(weights.dtype).contiguous(), i.to(ids.dtype).contiguous()
+
+    Pinned.__name__ = f"Pinned{base.__name__}"
+    return Pinned()
+
+
+class EagerRouting:
+    """Records the routing the eager reference model computes, while `on`."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        self.on, self.pins = False, []
+        original = ref_moe.route
+
+        def route(logits, bias, cfg):
+            out = original(logits, bias, cfg)
+            if self.on:
+                self.pins.append(out)
+            return out
+
+        monkeypatch.setattr(ref_moe, "route", route)
+
+    def step(self, model, ids, segments, state) -> tuple[torch.Tensor, list]:
+        self.on, self.pins = True, []
+        try:
+            logits = model.logits(model.forward(ids, segments, state))
+        finally:
+            self.on = False
+        return logits, self.pins
+
+
+def pinned_parity(model, ops: dict[str, DecodeOps], buckets: dict[tuple[int, int], int], context: int,
+                  monkeypatch: pytest.MonkeyPatch, seed: int = 0) -> list[dict]:
+    """Per bucket, each path of `ops` ('specialized', 'standard_rounding_noise', 'context_blind')
+    against eager with routing pinned; context_blind starts from another random state."""
+    routing = EagerRouting(monkeypatch)
+    dev = model.w.embed.device
+    max_len = context + max(s * q for (_, q), s in buckets.items()) + 8
+    kw = dict(max_requests=max(r // q for r, q in buckets), max_len=max_len, buckets=list(buckets), graphs=False)
+    paths = {name: SpecializedDecode(model, ops=o, **kw) for name, o in ops.items()}
+    out = []
+    for (rows, q), steps in buckets.items():
+        for ex in paths.values():
+            for r, used in enumerate(ex.state.in_use):
+                if used:
+                    ex.state.free(r)
+        gen = torch.Generator(device=dev).manual_seed(seed + rows * 10 + q)
+        spec = paths["specialized"]
+        slots = fill_state(spec.state, rows // q, context, gen)
+        eager = model.new_state(max_requests=spec.state.max_requests, max_len=max_len, max_q=spec.state.max_q)
+        for st in (eager, *(ex.state for name, ex in paths.items() if name != "context_blind")):
+            if st is not spec.state:
+                copy_state(st, spec.state)
+        assert fill_state(paths["context_blind"].state, rows // q, context, gen) == slots
+        segs = lambda st: [st.segment(r, j * q, q, prefill=False) for j, r in enumerate(slots)]  # noqa: E731
+        ids = torch.randint(0, model.w.lm_head.shape[0], (rows,), generator=gen, device=dev)
+        errs: dict[str, list[float]] = {name: [] for name in paths}
+        top1: dict[str, list[float]] = {name: [] for name in paths}
+        for _ in range(steps):
+            want, pins = routing.step(model, ids, segs(eager), eager)
+            want = want.double()
+            for name, ex in paths.items():
+                ex.ops.pins = deque(pins)
+                got = ex(ids, segs(ex.state), ex.state).double()
+                assert not ex.ops.pins, f"{name}: {len(ex.ops.pins)} pins left: the paths' MoE layers differ"
+                ex.ops.pins = None
+                errs[name].append(float((got - want).norm() / want.norm()))
+                top1[name].append(float((got.argmax(-1) == want.argmax(-1)).float().mean()))
+            ids = want.argmax(-1)
+        summary = {name: {"steps": steps, "tokens": steps * rows, "rel_err_median": statistics.median(errs[name]),
+                          "rel_err_max": max(errs[name]), "top1_agreement": statistics.mean(top1[name])}
+                   for name in paths}
+        y = summary["standard_rounding_noise"]
+        kernels = parity_status({"specialized": summary["specialized"], "standard_rounding_noise": y})
+        blind = parity_status({"specialized": summary["context_blind"], "standard_rounding_noise": y})
+        out.append({"name": f"rows{rows} q{q} ctx{context}: routing pinned to eager's, {steps} steps",
+                    **summary, "rule_on_specialized": kernels, "rule_on_context_blind": blind,
+                    "status": "pass" if kernels == "pass" and blind == "fail" else "fail"})
+    return out
+
+
+def test_pinning_plumbing_on_the_reference_ops(monkeypatch):
+    """CPU: with the reference ops pinned the executor repeats eager exactly, a context-blind path
+    is caught, and every MoE layer takes exactly one pin per step."""
+    model = mini_model(seed=0)
+    ops = {"specialized": pinned(ReferenceOps), "standard_rounding_noise": pinned(RoundingNoiseOps),
+           "context_blind": pinned(ReferenceOps)}
+    results = pinned_parity(model, ops, {(1, 1): 8, (4, 2): 4}, 40, monkeypatch)
+    for r in results:
+        assert r["specialized"]["rel_err_max"] == 0.0, r
+        assert r["rule_on_context_blind"] == "fail", r
+        assert r["status"] == "pass", r
+    # a pin wins over the path's own choice
+    cfg, w = model.cfg, model.w.layers[-1].mlp
+    logits = torch.randn(3, cfg.num_experts)
+    own_w, own_i = ops["specialized"].route(logits, w.bias, cfg)
+    pin_i = (own_i + 1) % cfg.num_experts
+    ops["specialized"].pins = deque([(own_w.flip(-1), pin_i)])
+    got_w, got_i = ops["specialized"].route(logits, w.bias, cfg)
+    assert torch.equal(got_i, pin_i) and torch.equal(got_w, own_w.flip(-1))
+
+
+@pytest.mark.gpu
+def test_kernels_match_eager_with_routing_pinned_and_a_context_blind_path_does_not(monkeypatch):
+    from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import k3_block
+    from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import KernelOps
+
+    model = k3_block(16)
+    ops = {"specialized": pinned(KernelOps), "standard_rounding_noise": pinned(RoundingNoiseOps),
+           "context_blind": pinned(TorchOps)}
+    for r in pinned_parity(model, ops, BUCKETS, CONTEXT, monkeypatch):
+        r["name"] = f"12-layer K3 block (896 experts) TP16 {r['name']}"
+        RESULTS.append(r)
+    record_parity("pinned_routing_parity.json", "executor",
+                  "vllm/models/kimi_k3/nvidia/tests/test_pinned_routing_parity.py",
+                  ["vllm/models/kimi_k3/nvidia/benchmarks/decode_latency.py",
+                   "vllm/models/kimi_k3/nvidia/latency_specialized/decode_ops.py",
+                   "vllm/models/kimi_k3/nvidia/latency_specialized/executor.py",
+                   "vllm/models/kimi_k3/nvidia/latency_specialized/torch_ops.py",
+                   *(f"vllm/models/kimi_k3/nvidia/kernels/{k}.py" for k in (
+                       "attn_res", "embedding", "kda_decode", "mla_cache_write", "mla_decode", "mla_combine",
+                       "moe_combine", "moe_experts", "moe_router", "rms_norm", "situ_mul", "skinny_gemm"))], RESULTS)
+    bad = [r for r in RESULTS if r["status"] != "pass"]
+    assert not bad, bad
