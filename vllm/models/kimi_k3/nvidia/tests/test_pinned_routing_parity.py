@@ -6,10 +6,17 @@ turn bf16 roundings into O(0.6) logit changes, as large as losing the context. H
 layer of every path takes the eager standard path's routing (ids and weights) of the same step,
 recorded while eager computes it; each path's own router still runs (the router kernel's tests
 check its choices: planted ties, per op). What is left is continuous, so the rounding-noise
-yardstick (pinned as well) shrinks toward the dense forms' size, and the same rule
-(`decode_latency.parity_status`) is asked twice per bucket: the kernels must pass it, and the
-pinned standard table stepped from another random state on the same tokens (context-blind)
-must fail it. Paths run without CUDA graphs, since a pin is handed over on the host each step.
+yardstick (pinned as well) shrinks to the dense forms' size, and one rule (`pinned_rule`) is
+asked twice per bucket: the kernels must pass it, and the pinned standard table stepped from
+another random state on the same tokens (context-blind) must fail it.
+
+The rule is decode_latency's (`parity_status`: median error within 1.5x the yardstick's + 0.02,
+top-1 likewise) plus the same bound on the worst step. An H200 run of the median-only rule
+(2026-12-04) showed why: at one request (rows 1, and q = 8) the context of this random-weight
+block moves most steps' logits no more than rounding does (context-blind median 0.031 and 0.049
+against the yardstick's 0.028 and 0.032) but some steps a lot (worst 1.23 and 0.36), while with
+routing pinned a correct path has no such tail (kernels' worst 0.076 and 0.034, the yardstick's
+0.083 and 0.052). Paths run without CUDA graphs, since a pin is handed over on the host each step.
 """
 
 from __future__ import annotations
@@ -20,7 +27,8 @@ from collections import deque
 import pytest
 import torch
 
-from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import copy_state, fill_state, parity_status
+from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (PARITY_VS_BASELINE, copy_state, fill_state,
+                                                                    parity_status)
 from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import DecodeOps, ReferenceOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import RoundingNoiseOps, TorchOps
@@ -54,6 +62,14 @@ def pinned(base: type[DecodeOps]) -> DecodeOps:
 
     Pinned.__name__ = f"Pinned{base.__name__}"
     return Pinned()
+
+
+def pinned_rule(path: dict, yardstick: dict) -> str:
+    """pass when `path` is within decode_latency's rule of the yardstick and its worst step within
+    the same bound of the yardstick's worst."""
+    ok = (parity_status({"specialized": path, "standard_rounding_noise": yardstick}) == "pass"
+          and path["rel_err_max"] <= PARITY_VS_BASELINE * yardstick["rel_err_max"] + 0.02)
+    return "pass" if ok else "fail"
 
 
 class EagerRouting:
@@ -122,8 +138,7 @@ def pinned_parity(model, ops: dict[str, DecodeOps], buckets: dict[tuple[int, int
                           "rel_err_max": max(errs[name]), "top1_agreement": statistics.mean(top1[name])}
                    for name in paths}
         y = summary["standard_rounding_noise"]
-        kernels = parity_status({"specialized": summary["specialized"], "standard_rounding_noise": y})
-        blind = parity_status({"specialized": summary["context_blind"], "standard_rounding_noise": y})
+        kernels, blind = pinned_rule(summary["specialized"], y), pinned_rule(summary["context_blind"], y)
         out.append({"name": f"rows{rows} q{q} ctx{context}: routing pinned to eager's, {steps} steps",
                     **summary, "rule_on_specialized": kernels, "rule_on_context_blind": blind,
                     "status": "pass" if kernels == "pass" and blind == "fail" else "fail"})
