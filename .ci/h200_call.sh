@@ -59,7 +59,7 @@ export -f record_coverage
 # this machine by .ci/h200_refresh.py; what does not fit in BUDGET is skipped and said
 refresh_stale() {
   python3 .ci/h200_refresh.py "$@" > "$W/refresh.sh" || return
-  echo "=== [${SECONDS}s] refresh_stale: $(grep -c '^step ' "$W/refresh.sh") step(s)"
+  echo "=== [${SECONDS}s] refresh_stale: $(grep -cE '^(EXPECT=[0-9]+ )?step ' "$W/refresh.sh") step(s)"
   # shellcheck disable=SC1091
   source "$W/refresh.sh"
 }

@@ -6,8 +6,9 @@ A record's command is written as it was run (`python`, `pytest`, `k3-decode`, `-
 device's evidence folder of that day, `K3_EVIDENCE_DIR=<dir>`), so this rewrites each into what
 the lent machine runs now: `python3 -m`, records into $K3_EVIDENCE_DIR, GPU tests with
 `-m gpu`, coverage through `record_coverage`, sanitizer and `record-tests` records through
-`fast-track record-sanitizer` / `record-tests` with the record's own sources. Each command
-appears once (bench_norms writes three records) with a time limit from its kind and, where the
+`fast-track record-sanitizer` / `record-tests` with the record's own sources; a GPU test whose
+record was never committed runs too (`unrecorded_steps`). Each command appears once
+(bench_norms writes three records) with a time limit from its kind and, where the
 record says how long it ran (`wall_s`), the time it is expected to take, so `step` skips what
 cannot finish in the call and a later call picks it up: copy the records of one call into
 evidence/h200/ (uncommitted is enough, the working tree travels) before the next. Records whose
@@ -33,10 +34,10 @@ from tools.fast_track.stale import stale_records  # noqa: E402
 # seconds; measured on the H200 (2026-12-03) and given headroom: eval 188-205 s, decode records
 # 30-155 s, the rest under 90 s; the depth test took 177 s before its yardstick ran in lockstep and
 # 355 s after (2026-12-04); the 12-layer long runs took 203-217 s at rows 1, 8 and q 8 and
-# 256 s at rows 64 (2026-12-04)
+# 256 s at rows 64 (2026-12-04); pinned-routing parity took 80 s at TP16 alone
 LIMIT_BY_KIND = {"eval": 330, "decode-bench": 170, "sanitizer": 300}
 LIMIT_BY_FILE = {"executor_depth_parity.json": 450, "executor_long_runs.json": 400,
-                 "executor_long_runs_rows64.json": 450}
+                 "executor_long_runs_rows64.json": 450, "pinned_routing_parity.json": 300}
 DEFAULT_LIMIT = 150
 # a record that says how long its run took (`wall_s`) is expected to take this much again, so a
 # call fits as many as its budget holds; the limit stays, raised to twice that where it is lower
@@ -123,6 +124,22 @@ def step_lines(records: list[Record]) -> list[str]:
     return lines
 
 
+# a GPU test file names the record it writes in one of these calls
+_WRITES = re.compile(r'(?:record_parity|long_run_tests)\([^")]*"([\w.-]+\.json)"')
+
+
+def unrecorded_steps(model_dir: Path, repo: Path) -> list[str]:
+    """A step for each record a GPU test file writes that is not in evidence/h200/ yet: a test
+    written and never run has no record to go stale, so it would not be refreshed otherwise."""
+    lines = []
+    for test in sorted((model_dir / "tests").glob("test_*.py")):
+        for name in dict.fromkeys(_WRITES.findall(test.read_text())):
+            if not (model_dir / "evidence" / "h200" / name).exists():
+                cmd = shlex.join(_gpu_pytest([test.relative_to(repo).as_posix()]))
+                lines.append(f"step {Path(name).stem} {LIMIT_BY_FILE.get(name, DEFAULT_LIMIT)} {cmd}")
+    return lines
+
+
 def gpu_records(stale: list[tuple[Record, str]]) -> list[Record]:
     """The stale records made on a GPU; those made on a CPU (evals on the reference ops) are refreshed there."""
     return [r for r, _ in stale if r.data.get("gpu") not in (None, "", "none")]
@@ -139,7 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(models) != 1:
         sys.exit(f"h200_refresh: {len(models)} model folders here; pass --model DIR")
     (model,) = models
-    print("\n".join(step_lines(gpu_records(stale_records(model)))))
+    print("\n".join(step_lines(gpu_records(stale_records(model))) + unrecorded_steps(model.path, model.root)))
     return 0
 
 

@@ -137,3 +137,16 @@ def test_step_skips_by_what_a_step_is_expected_to_take_and_cuts_its_limit_to_the
     assert "fits: exit 0" in out and "over: skipped" in out and "plain: skipped" in out
     assert out.count("rc 125") == 2 and "rc 0" in out
     assert "cut: exit 124" in out  # its 10 s limit cut to the 2 s left, so 5 s of sleep overrun it
+
+
+def test_a_gpu_test_whose_record_was_never_committed_gets_a_step(tmp_path):
+    model = tmp_path / "m"
+    (model / "tests").mkdir(parents=True)
+    (model / "evidence" / "h200").mkdir(parents=True)
+    (model / "tests" / "test_new.py").write_text('record_parity("new_parity.json", "executor", "f", [], R)\n'
+                                                 'long_run_tests(RUNS, "long.json", "f")\n')
+    (model / "tests" / "test_old.py").write_text('record_parity(\n    "old.json", "executor", "f", [], R)\n')
+    (model / "evidence" / "h200" / "old.json").write_text("{}")
+    lines = refresh.unrecorded_steps(model, tmp_path)
+    assert [line.split()[:2] for line in lines] == [["step", "new_parity"], ["step", "long"]]
+    assert all(line.endswith("-m gpu m/tests/test_new.py") for line in lines)
