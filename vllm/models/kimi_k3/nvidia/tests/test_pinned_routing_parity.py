@@ -28,14 +28,14 @@ from collections import deque
 import pytest
 import torch
 
-from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (PARITY_VS_BASELINE, SOURCES, copy_state,
-                                                                    fill_state, k3_block, parity_status)
+from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (PARITY_VS_BASELINE, SOURCES, _segments,
+                                                                    copy_state, fill_state, k3_block, parity_status)
 from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import DecodeOps, KernelOps, ReferenceOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import RoundingNoiseOps, TorchOps
 from vllm.models.kimi_k3.nvidia.reference import moe as ref_moe
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_parity
-from vllm.models.kimi_k3.nvidia.tests._util import mini_model
+from vllm.models.kimi_k3.nvidia.tests._util import mini_model, rel_err
 
 CONTEXT = 1000
 BUCKETS = {(1, 1): 64, (8, 1): 8, (8, 8): 8, (64, 1): 4}  # (rows, q) -> steps (64 tokens or more)
@@ -123,23 +123,20 @@ def pinned_parity(model, ops: dict[str, DecodeOps], buckets: dict[tuple[int, int
         spec = paths["specialized"]
         slots = fill_state(spec.state, rows // q, context, gen)
         eager = model.new_state(max_requests=spec.state.max_requests, max_len=max_len, max_q=spec.state.max_q)
-        for st in (eager, *(ex.state for name, ex in paths.items() if name != "context_blind")):
-            if st is not spec.state:
-                copy_state(st, spec.state)
+        for st in (eager, paths["standard_rounding_noise"].state):
+            copy_state(st, spec.state)
         assert fill_state(paths["context_blind"].state, rows // q, context, gen) == slots
-        segs = lambda st: [st.segment(r, j * q, q, prefill=False) for j, r in enumerate(slots)]  # noqa: E731
         ids = torch.randint(0, model.w.lm_head.shape[0], (rows,), generator=gen, device=dev)
         errs: dict[str, list[float]] = {name: [] for name in paths}
         top1: dict[str, list[float]] = {name: [] for name in paths}
         for _ in range(steps):
-            want, pins = routing.step(model, ids, segs(eager), eager)
-            want = want.double()
+            want, pins = routing.step(model, ids, _segments(eager, slots, q), eager)
             for name, ex in paths.items():
                 ex.ops.pins = deque(pins)
-                got = ex(ids, segs(ex.state), ex.state).double()
+                got = ex(ids, _segments(ex.state, slots, q), ex.state)
                 assert not ex.ops.pins, f"{name}: {len(ex.ops.pins)} pins left: the paths' MoE layers differ"
                 ex.ops.pins = None
-                errs[name].append(float((got - want).norm() / want.norm()))
+                errs[name].append(rel_err(got, want))
                 top1[name].append(float((got.argmax(-1) == want.argmax(-1)).float().mean()))
             ids = want.argmax(-1)
         summary = {name: {"steps": steps, "tokens": steps * rows, "rel_err_median": statistics.median(errs[name]),
