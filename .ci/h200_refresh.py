@@ -13,7 +13,8 @@ record says how long it ran (`wall_s`), the time it is expected to take, so `ste
 cannot finish in the call and a later call picks it up: copy the records of one call into
 evidence/h200/ (uncommitted is enough, the working tree travels) before the next. Records whose
 command it cannot rewrite are echoed as skipped, never run half-right. Records made on a CPU (no
-`gpu`) are left to the CPU.
+`gpu`) are left to the CPU. On a host of several GPUs (`--gpus N`, which refresh_stale passes)
+the steps run as N queues side by side, one per GPU (`on_gpus`).
 """
 
 from __future__ import annotations
@@ -140,6 +141,35 @@ def unrecorded_steps(model_dir: Path, repo: Path) -> list[str]:
     return lines
 
 
+def _expected_s(line: str) -> int:
+    """The seconds a step line is expected to take: its EXPECT, else its limit."""
+    m = re.match(r"(?:EXPECT=(\d+) )?step \S+ (\d+) ", line)
+    return int(m.group(1) or m.group(2))
+
+
+def on_gpus(lines: list[str], gpus: int) -> list[str]:
+    """The lines as they run on `gpus` GPUs of one host: one queue per GPU, each step put on
+    the queue with the least expected time so far, longest step first; the queues run side by
+    side (CUDA_VISIBLE_DEVICES pins each), their transcripts printed once all are done. A GPU
+    runs one step at a time, so a benchmark still times a GPU no other step uses. With one GPU,
+    the lines as they are."""
+    if gpus <= 1:
+        return lines
+    said = [line for line in lines if line.startswith("echo ")]
+    steps = sorted((line for line in lines if not line.startswith("echo ")), key=_expected_s, reverse=True)
+    queues: list[list[str]] = [[] for _ in range(gpus)]
+    load = [0] * gpus
+    for line in steps:
+        gpu = load.index(min(load))
+        queues[gpu].append(line)
+        load[gpu] += _expected_s(line)
+    out = list(said)
+    for gpu, queue in enumerate(queues):
+        if queue:
+            out += [f"( export CUDA_VISIBLE_DEVICES={gpu}", *queue, f') > "$W/gpu{gpu}.out" 2>&1 &']
+    return [*out, "wait", 'for f in "$W"/gpu*.out; do echo "--- GPU ${f##*/gpu}"; cat "$f"; done']
+
+
 def gpu_records(stale: list[tuple[Record, str]]) -> list[Record]:
     """The stale records made on a GPU; those made on a CPU (evals on the reference ops) are refreshed there."""
     return [r for r, _ in stale if r.data.get("gpu") not in (None, "", "none")]
@@ -148,7 +178,10 @@ def gpu_records(stale: list[tuple[Record, str]]) -> list[Record]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="the model folder (default: the only one discovered)")
+    ap.add_argument("--gpus", type=int, default=1, help="GPUs of the lent host to spread the steps over (default 1)")
     args = ap.parse_args(argv)
+    if args.gpus < 1:
+        sys.exit(f"h200_refresh: --gpus must be at least 1, got {args.gpus}")
     try:
         models = discover(Path.cwd(), args.model)
     except ModelError as e:
@@ -156,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(models) != 1:
         sys.exit(f"h200_refresh: {len(models)} model folders here; pass --model DIR")
     (model,) = models
-    print("\n".join(step_lines(gpu_records(stale_records(model))) + unrecorded_steps(model.path, model.root)))
+    lines = step_lines(gpu_records(stale_records(model))) + unrecorded_steps(model.path, model.root)
+    print("\n".join(on_gpus(lines, args.gpus)))
     return 0
 
 

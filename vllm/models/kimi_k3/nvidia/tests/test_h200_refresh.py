@@ -150,3 +150,28 @@ def test_a_gpu_test_whose_record_was_never_committed_gets_a_step(tmp_path):
     lines = refresh.unrecorded_steps(model, tmp_path)
     assert [line.split()[:2] for line in lines] == [["step", "new_parity"], ["step", "long"]]
     assert all(line.endswith("-m gpu m/tests/test_new.py") for line in lines)
+
+
+def test_on_several_gpus_each_step_runs_once_on_the_least_loaded_queue_longest_first(tmp_path):
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    lines = ["EXPECT=300 step a 600 true", "step c 150 true", "EXPECT=200 step b 400 true",
+             "echo '=== x: skipped, no rewrite for: y'", "EXPECT=100 step d 200 true"]
+    script = refresh.on_gpus(lines, 2)
+    assert refresh.on_gpus(lines, 1) == lines
+    ran = subprocess.run(
+        ["bash", "-c", f'W={tmp_path}\nstep() {{ echo "ran $1 on GPU $CUDA_VISIBLE_DEVICES"; }}\n' + "\n".join(script)],
+        capture_output=True, text=True, check=True).stdout
+    # a (300) and b (200) open the queues, c (150) joins b's, d (100) joins a's
+    for name, gpu in {"a": 0, "b": 1, "c": 1, "d": 0}.items():
+        assert ran.count(f"ran {name} on GPU") == 1 and f"ran {name} on GPU {gpu}" in ran
+    assert "=== x: skipped" in ran
+    assert ran.index("ran a") < ran.index("ran d") and ran.index("ran b") < ran.index("ran c")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu0.out", "gpu1.out"]
+
+
+def test_more_gpus_than_steps_leaves_the_rest_idle_and_no_gpus_is_refused(capsys):
+    script = refresh.on_gpus(["step a 10 true"], 4)
+    assert sum(line.startswith("( export CUDA_VISIBLE_DEVICES=") for line in script) == 1
+    with pytest.raises(SystemExit, match="--gpus must be at least 1"):
+        refresh.main(["--gpus", "0"])
