@@ -4,7 +4,7 @@
 
 One line per record that is not fresh (its file, why, which sources changed), then each
 distinct command of those records once, in record order: what to rerun on the GPU before
-committing the records again. Exit 0 when every record is fresh, 1 when one is not.
+committing the records again, and how long their last runs took (the device time to plan for). Exit 0 when every record is fresh, 1 when one is not.
 """
 
 from __future__ import annotations
@@ -30,12 +30,30 @@ def refresh_commands(stale: list[tuple[Record, str]]) -> list[str]:
     return list(dict.fromkeys(r.command.strip() for r, _ in stale if r.command.strip()))
 
 
+def refresh_seconds(stale: list[tuple[Record, str]]) -> tuple[float, int]:
+    """The seconds the stale records' last runs took (`wall_s`), a command shared by several
+    records counted once, and how many stale records do not say."""
+    took: dict[str, float] = {}
+    silent = 0
+    for record, _ in stale:
+        wall = record.data.get("wall_s")
+        if isinstance(wall, (int, float)) and wall > 0:
+            key = record.command.strip() or record.rel
+            took[key] = max(took.get(key, 0.0), float(wall))
+        else:
+            silent += 1
+    return sum(took.values()), silent
+
+
 def render(stale: list[tuple[Record, str]]) -> str:
     if not stale:
         return "every evidence record is fresh\n"
     lines = [f"{len(stale)} stale record(s):"] + [f"  {r.label}: {why}" for r, why in stale]
     commands = refresh_commands(stale)
     lines += [f"{len(commands)} command(s) refresh them:"] + [f"  {c}" for c in commands]
+    seconds, silent = refresh_seconds(stale)
+    lines.append(f"their last runs took {seconds:.0f} s" +
+                 (f", and {silent} record(s) do not say how long" if silent else ""))
     without = [r.label for r, _ in stale if not r.command.strip()]
     if without:
         lines.append(f"no command recorded for: {', '.join(without)}")

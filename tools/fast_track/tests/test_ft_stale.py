@@ -19,3 +19,17 @@ def test_fresh_then_stale_with_the_command_that_refreshes_it(repo, monkeypatch, 
     command = json.loads((repo.root / PARITY).read_text())["command"]
     assert f"  {PARITY}: stale" in out and f"({KERNEL})" in out
     assert out.count(f"  {command}\n") == 1 and "command(s) refresh them:" in out
+
+
+def test_the_refresh_time_counts_a_shared_command_once_and_says_what_is_unknown(repo, monkeypatch, capsys):
+    monkeypatch.chdir(repo.root)
+    record = json.loads((repo.root / PARITY).read_text())
+    (repo.root / PARITY).write_text(json.dumps({**record, "wall_s": 42.4}))
+    path = repo.root / KERNEL
+    path.write_text(path.read_text() + "\n# a later edit\n")
+    assert main(["stale"]) == 1
+    lines = capsys.readouterr().out.splitlines()
+    stale = int(lines[0].split()[0])
+    took = [line for line in lines if line.startswith("their last runs took")]
+    assert took and took[0].startswith("their last runs took 42 s")
+    assert (f", and {stale - 1} record(s) do not say how long" in took[0]) == (stale > 1)
