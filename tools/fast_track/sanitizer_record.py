@@ -25,6 +25,7 @@ import re
 import shlex
 import shutil
 import subprocess
+import time
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,9 @@ def record_sanitizer(root: Path, out: Path, sources: list[str], tools: list[str]
         + shlex.join(command)
     record = record_head(root, "sanitizer", "sanitizer", shown, sources)
     record["kernels_checked"] = f"names containing {kernel_name!r}" if kernel_name else "all"
+    start = time.monotonic()
     record["results"] = [run_tool(t, command, timeout_s, kernel_name) for t in tools]
+    record["wall_s"] = round(time.monotonic() - start, 1)  # what a refresh of this record plans for
     record["targets"] = []
     write_json(out, record)
     return record

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import shlex
 import subprocess
+import time
 import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
@@ -55,6 +56,7 @@ def record_tests(root: Path, out: Path, kind: str, family: str, sources: list[st
         raise ValueError("the command after `--` must run pytest (e.g. `python -m pytest -q NODE_ID ...`): "
                          "its JUnit report is what is recorded")
     record = record_head(root, kind, family, shlex.join(command), sources)
+    start = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "junit.xml"
         run = subprocess.run([*command, f"--junitxml={report}"], capture_output=True, text=True,
@@ -67,6 +69,7 @@ def record_tests(root: Path, out: Path, kind: str, family: str, sources: list[st
         raise ValueError("the command ran no test: check the node ids and the -m/-k selection")
     record["results"] = results
     record["exit_code"] = run.returncode
+    record["wall_s"] = round(time.monotonic() - start, 1)  # what a refresh of this record plans for
     record["targets"] = [{"name": "every recorded test passed", "target": "all pass",
                           "value": sum(r["status"] == "pass" for r in results) / len(results),
                           "met": all(r["status"] == "pass" for r in results)}]

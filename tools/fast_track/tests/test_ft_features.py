@@ -73,6 +73,7 @@ def test_record_tests_writes_each_outcome_and_the_item_reads_it(repo, monkeypatc
     assert "1 pass, 0 fail, 0 skip" in capsys.readouterr().out
     record = json.loads(out.read_text())
     assert record["kind"] == "parity" and record["sources"] == [KERNEL]
+    assert 0 < record["wall_s"] < 120  # the run's own time, which a refresh plans for
     assert [(r["name"], r["status"]) for r in record["results"]] == [("test_sampling_same_on_both_paths", "pass")]
     assert _features(repo).status == PASS
     # a skipped test is not a pass, and neither the record nor the item says otherwise

@@ -67,6 +67,7 @@ def test_record_sanitizer_runs_each_tool_and_the_item_accepts_the_record(repo, t
     assert "racecheck pass, synccheck fail" in capsys.readouterr().out
     record = json.loads((repo.root / SANITIZER).read_text())
     assert [(r["name"], r["errors"]) for r in record["results"]] == [("racecheck", 0), ("synccheck", 1)]
+    assert record["wall_s"] >= 0
     assert review_items(repo.root)["sanitizer"].status == FAIL
     assert main([*args[:5], "--tool", "racecheck", "--", "true"]) == 0
     assert review_items(repo.root)["sanitizer"].status == PASS
