@@ -20,6 +20,7 @@ the steps run as N queues side by side, one per GPU (`on_gpus`).
 from __future__ import annotations
 
 import argparse
+import ast
 import math
 import re
 import shlex
@@ -38,7 +39,8 @@ from tools.fast_track.stale import stale_records  # noqa: E402
 # 256 s at rows 64 (2026-12-04); pinned-routing parity took 80 s at TP16 alone
 LIMIT_BY_KIND = {"eval": 330, "decode-bench": 170, "sanitizer": 300}
 LIMIT_BY_FILE = {"executor_depth_parity.json": 450, "executor_long_runs.json": 400,
-                 "executor_long_runs_rows64.json": 450, "pinned_routing_parity.json": 300}
+                 "executor_long_runs_rows64.json": 450, "executor_long_runs_mid.json": 450,
+                 "pinned_routing_parity.json": 300}
 DEFAULT_LIMIT = 150
 # a record that says how long its run took (`wall_s`) is expected to take this much again, so a
 # call fits as many as its budget holds; the limit stays, raised to twice that where it is lower
@@ -125,8 +127,17 @@ def step_lines(records: list[Record]) -> list[str]:
     return lines
 
 
-# a GPU test file names the record it writes in one of these calls
-_WRITES = re.compile(r'(?:record_parity|long_run_tests)\([^")]*"([\w.-]+\.json)"')
+def _records_written(source: str) -> list[str]:
+    """The record files a test module writes: the `.json` names its calls of record_parity or
+    long_run_tests pass (parsed, so a call quoted inside a string is not one)."""
+    names = []
+    for node in ast.walk(ast.parse(source)):
+        func = getattr(node, "func", None)
+        if isinstance(node, ast.Call) and getattr(func, "id", getattr(func, "attr", None)) in (
+                "record_parity", "long_run_tests"):
+            names += [a.value for a in node.args
+                      if isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.endswith(".json")]
+    return list(dict.fromkeys(names))
 
 
 def unrecorded_steps(model_dir: Path, repo: Path) -> list[str]:
@@ -134,7 +145,7 @@ def unrecorded_steps(model_dir: Path, repo: Path) -> list[str]:
     written and never run has no record to go stale, so it would not be refreshed otherwise."""
     lines = []
     for test in sorted((model_dir / "tests").glob("test_*.py")):
-        for name in dict.fromkeys(_WRITES.findall(test.read_text())):
+        for name in _records_written(test.read_text()):
             if not (model_dir / "evidence" / "h200" / name).exists():
                 cmd = shlex.join(_gpu_pytest([test.relative_to(repo).as_posix()]))
                 lines.append(f"step {Path(name).stem} {LIMIT_BY_FILE.get(name, DEFAULT_LIMIT)} {cmd}")

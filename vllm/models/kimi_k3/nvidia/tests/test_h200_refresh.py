@@ -147,9 +147,13 @@ def test_a_gpu_test_whose_record_was_never_committed_gets_a_step(tmp_path):
                                                  'long_run_tests(RUNS, "long.json", "f")\n')
     (model / "tests" / "test_old.py").write_text('record_parity(\n    "old.json", "executor", "f", [], R)\n')
     (model / "evidence" / "h200" / "old.json").write_text("{}")
+    # a test that only quotes such a call (as this file does) writes no record
+    (model / "tests" / "test_quotes.py").write_text("""SRC = 'record_parity("quoted.json", "executor")'\n""")
     lines = refresh.unrecorded_steps(model, tmp_path)
     assert [line.split()[:2] for line in lines] == [["step", "new_parity"], ["step", "long"]]
     assert all(line.endswith("-m gpu m/tests/test_new.py") for line in lines)
+    here = refresh.unrecorded_steps(ROOT / "vllm/models/kimi_k3/nvidia", ROOT)
+    assert not [line for line in here if "test_h200_refresh.py" in line]
 
 
 def test_on_several_gpus_each_step_runs_once_on_the_least_loaded_queue_longest_first(tmp_path):
