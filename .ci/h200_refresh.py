@@ -178,7 +178,7 @@ def on_gpus(lines: list[str], gpus: int) -> list[str]:
     for gpu, queue in enumerate(queues):
         if queue:
             out += [f"( export CUDA_VISIBLE_DEVICES={gpu}", *queue, f') > "$W/gpu{gpu}.out" 2>&1 &']
-    return [*out, "wait", 'for f in "$W"/gpu*.out; do echo "--- GPU ${f##*/gpu}"; cat "$f"; done']
+    return [*out, "wait", 'for f in "$W"/gpu*.out; do echo "--- ${f##*/}"; cat "$f"; done']
 
 
 def gpu_records(stale: list[tuple[Record, str]]) -> list[Record]:

@@ -4,7 +4,8 @@
 
 One line per record that is not fresh (its file, why, which sources changed), then each
 distinct command of those records once, in record order: what to rerun on the GPU before
-committing the records again, and how long their last runs took (the device time to plan for). Exit 0 when every record is fresh, 1 when one is not.
+committing the records again, and how long their last runs took (the device time to plan
+for). Exit 0 when every record is fresh, 1 when one is not.
 """
 
 from __future__ import annotations

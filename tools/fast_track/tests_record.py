@@ -17,8 +17,8 @@ from __future__ import annotations
 
 import shlex
 import subprocess
-import time
 import tempfile
+import time
 import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
