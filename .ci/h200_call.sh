@@ -14,6 +14,12 @@
 # A step that could overrun BUDGET seconds (default 570) since the start is skipped, and says so.
 
 [ -n "${K3_COMMIT:-}" ] || { echo "h200_call: set K3_COMMIT=<sha of the checked-out commit> (git rev-parse HEAD on the CPU side)"; exit 2; }
+# the device copy's .git can be older than the tree that travels (2026-12-03, 2026-12-04), so a sha
+# taken from it there names a commit that is not what runs
+if [ "$K3_COMMIT" = "$(git rev-parse HEAD 2>/dev/null)" ] && [ -n "$(git status --porcelain --untracked-files=no 2>/dev/null)" ]; then
+  echo "h200_call: K3_COMMIT is this copy's .git HEAD, but the tracked files differ from that commit (the copy's .git is older than its tree): set K3_COMMIT to \$(git rev-parse HEAD) computed on the CPU side, where the tree was committed"
+  exit 2
+fi
 export FAST_TRACK_COMMIT=${FAST_TRACK_COMMIT:-$K3_COMMIT}
 python3 -c "import tarfile, glob; tarfile.open(glob.glob('.devwheels/cutedsl-*.tar.xz')[0]).extractall('/tmp/site', filter='tar')" ||
   { echo "h200_call: no .devwheels/cutedsl-*.tar.xz: carry .devwheels (../shared/device/cutedsl_wheels.sh)"; exit 2; }

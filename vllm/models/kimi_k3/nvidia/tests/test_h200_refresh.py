@@ -179,3 +179,26 @@ def test_more_gpus_than_steps_leaves_the_rest_idle_and_no_gpus_is_refused(capsys
     assert sum(line.startswith("( export CUDA_VISIBLE_DEVICES=") for line in script) == 1
     with pytest.raises(SystemExit, match="--gpus must be at least 1"):
         refresh.main(["--gpus", "0"])
+
+
+def test_the_call_refuses_a_commit_taken_from_an_older_git_in_the_device_copy(tmp_path):
+    if shutil.which("bash") is None or shutil.which("git") is None:
+        pytest.skip("no bash or git")
+    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    (copy / "kernel.py").write_text("old\n")
+    for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "older"]):
+        subprocess.run(["git", *args], cwd=copy, env=env, check=True)
+
+    def call() -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", f'export OUT={tmp_path}; K3_COMMIT=$(git rev-parse HEAD) '
+                               f'source {ROOT}/.ci/h200_call.sh'], cwd=copy, env=env, capture_output=True, text=True)
+
+    (copy / "kernel.py").write_text("what travelled\n")  # the tree is newer than the copy's .git
+    refused = call()
+    assert refused.returncode == 2 and "older than its tree" in refused.stdout
+    subprocess.run(["git", "checkout", "-q", "kernel.py"], cwd=copy, env=env, check=True)
+    passed = call()  # a tree that is its commit gets past the check (and stops at the missing wheels)
+    assert "older than its tree" not in passed.stdout and "no .devwheels" in passed.stdout
