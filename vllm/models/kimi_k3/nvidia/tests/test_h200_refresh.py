@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -184,8 +185,8 @@ def test_more_gpus_than_steps_leaves_the_rest_idle_and_no_gpus_is_refused(capsys
 def test_the_call_refuses_a_commit_taken_from_an_older_git_in_the_device_copy(tmp_path):
     if shutil.which("bash") is None or shutil.which("git") is None:
         pytest.skip("no bash or git")
-    env = {"GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
-           "GIT_COMMITTER_EMAIL": "t@t", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t", "GIT_COMMITTER_NAME": "t",
+           "GIT_COMMITTER_EMAIL": "t@t", "HOME": str(tmp_path)}
     copy = tmp_path / "copy"
     copy.mkdir()
     (copy / "kernel.py").write_text("old\n")
