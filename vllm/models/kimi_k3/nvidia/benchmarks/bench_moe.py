@@ -1,12 +1,13 @@
 """Benchmark of the MoE kernels: routed experts (kernels/moe_experts.py) at K3's TP16 and TP8
 shapes, and the router epilogue (kernels/moe_router.py).
 
-Per TP size (896 experts, H_lat 3584, the rank's padded intermediate) and rows M in
+Per TP size (896 experts, H_lat 3584, the rank's intermediate as vLLM stores it: TP16's 192 real
+columns zero-padded to 256, of which the kernels read the 192) and rows M in
 {1, 2, 4, 8, 16, 32, 64}: the kernels timed as a CUDA graph of back-to-back launches with CUDA
 events (median of replays after warm-up), each launch on its own routing (uniform random
 distinct experts per row) and its own x_lat, so consecutive launches read different experts
 and the L2 stays cold (one launch at M = 1 already reads 16 experts, 88 MB at TP16). The floor
-of a launch is the bytes it must move, the weights of the experts its rows selected, each once,
+of a launch is the bytes it must move, the real weights of the experts its rows selected, each once,
 plus x_lat, the routing and y, over the device-to-device copy bandwidth measured in the same
 run; the all-experts floor (the whole w13 + w2) is printed beside it. A time below that floor
 shows that not every expert was read; above it, as at TP16 M = 64, it shows nothing either
@@ -63,12 +64,17 @@ def uniform_routing(m: int, n_experts: int, top_k: int, gen: torch.Generator) ->
     return ids.to(torch.int32).contiguous()
 
 
-def expert_weights(tp: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """w13 [E, 2·I, H_lat] and w2 [E, H_lat, I] bf16 of K3's rank at `tp`, scaled for O(1) outputs."""
-    h, inter = K3.routed_expert_hidden_size, K3.shard(tp, 0).moe_inter
-    w13 = torch.randn(K3.num_experts, 2 * inter, h, generator=gen, device="cuda", dtype=torch.bfloat16) * h ** -0.5
-    w2 = torch.randn(K3.num_experts, h, inter, generator=gen, device="cuda", dtype=torch.bfloat16) * inter ** -0.5
-    return w13, w2
+def expert_weights(tp: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """w13 [E, 2·I, H_lat] and w2 [E, H_lat, I] bf16 of K3's rank at `tp`, scaled for O(1) outputs,
+    laid out as vLLM stores them (TP16: 192 real columns zero-padded to 256), and the real width."""
+    s = K3.shard(tp, 0)
+    h, i_pad, inter = K3.routed_expert_hidden_size, s.moe_inter, s.moe_inter_real
+    w13 = torch.randn(K3.num_experts, 2 * i_pad, h, generator=gen, device="cuda", dtype=torch.bfloat16) * h ** -0.5
+    w2 = torch.randn(K3.num_experts, h, i_pad, generator=gen, device="cuda", dtype=torch.bfloat16) * inter ** -0.5
+    w13[:, inter:i_pad] = 0
+    w13[:, i_pad + inter:] = 0
+    w2[:, :, inter:] = 0
+    return w13, w2, inter
 
 
 def _reference_call(w13: torch.Tensor, w2: torch.Tensor):
@@ -94,13 +100,15 @@ def median_us(fn, reps: int = 10, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
-def bench_case(tp: int, w13: torch.Tensor, w2: torch.Tensor, m: int, copy_bw: float,
+def bench_case(tp: int, w13: torch.Tensor, w2: torch.Tensor, inter: int, m: int, copy_bw: float,
                gen: torch.Generator) -> dict:
-    n_experts, two_inter, h = w13.shape
-    inter = w2.shape[2]
+    """The kernels read `inter` real columns of each slice; the standard path (reference, graphed
+    torch) multiplies the stored, padded slice, as it does in vLLM. The floor counts real bytes."""
+    n_experts, _, h = w13.shape
+    i_pad = w2.shape[2]
     top_k = K3.num_experts_per_token
     beta, linear_beta = activation_clips(K3)
-    expert_bytes = (two_inter * h + h * inter) * 2
+    expert_bytes = 3 * h * inter * 2
     sets = []
     for _ in range(ROUTING_SETS):
         ids = uniform_routing(m, n_experts, top_k, gen)
@@ -113,7 +121,7 @@ def bench_case(tp: int, w13: torch.Tensor, w2: torch.Tensor, m: int, copy_bw: fl
 
     def ours(i: int) -> None:
         x_lat, ids, weights, out = sets[i % len(sets)]
-        moe_experts.launch(x_lat, ids, weights, w13, w2, out, beta=beta, linear_beta=linear_beta)
+        moe_experts.launch(x_lat, ids, weights, w13, w2, out, inter=inter, beta=beta, linear_beta=linear_beta)
 
     ours(0)
     x0, ids0, wts0, out0 = sets[0]
@@ -122,7 +130,7 @@ def bench_case(tp: int, w13: torch.Tensor, w2: torch.Tensor, m: int, copy_bw: fl
     t_ours = time_graph([lambda i=i: ours(i) for i in range(len(sets))])
     t_ref = median_us(lambda i: reference(*sets[i % len(sets)][:3]))
     standard = TorchOps()
-    expert_w, shard = SimpleNamespace(w13=w13, w2=w2), SimpleNamespace(moe_inter=inter)
+    expert_w, shard = SimpleNamespace(w13=w13, w2=w2), SimpleNamespace(moe_inter=i_pad)
     t_graphed = time_graph([lambda s=s: standard.routed_experts(s[0], s[1], s[2], expert_w, K3, shard) for s in sets])
 
     unique = statistics.mean(int(torch.unique(s[1]).numel()) for s in sets)
@@ -131,7 +139,8 @@ def bench_case(tp: int, w13: torch.Tensor, w2: torch.Tensor, m: int, copy_bw: fl
     all_experts_floor_us = n_experts * expert_bytes / (copy_bw * 1e12) * 1e6
     return {
         "name": f"routed_experts@tp{tp} M={m}",
-        "shape": {"tp": tp, "m": m, "experts": n_experts, "inter": inter, "h_lat": h, "top_k": top_k},
+        "shape": {"tp": tp, "m": m, "experts": n_experts, "inter": inter, "inter_stored": i_pad, "h_lat": h,
+                  "top_k": top_k},
         "status": "pass" if rel < REL_ERR_BOUND else "fail",
         "rel_err_max_row": rel,
         "time_us": t_ours,
@@ -211,9 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     results = []
     for tp in args.tps:
-        w13, w2 = expert_weights(tp, gen)
+        w13, w2, inter = expert_weights(tp, gen)
         for m in args.rows:
-            results.append(bench_case(tp, w13, w2, m, copy_bw, gen))
+            results.append(bench_case(tp, w13, w2, inter, m, copy_bw, gen))
         del w13, w2
         torch.cuda.empty_cache()
     router = [bench_router(m, gen) for m in args.rows]

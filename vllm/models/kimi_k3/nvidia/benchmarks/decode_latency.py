@@ -53,13 +53,17 @@ from .bench_skinny_gemm import copy_bandwidth_TBps
 
 BLOCK_LAYERS = 12
 FULL_LAYERS = 93
-SOURCES = ("vllm/models/kimi_k3/nvidia/latency_specialized/executor.py",
-           "vllm/models/kimi_k3/nvidia/latency_specialized/decode_ops.py",
-           "vllm/models/kimi_k3/nvidia/latency_specialized/torch_ops.py",
-           "vllm/models/kimi_k3/nvidia/benchmarks/decode_latency.py",
+# everything a step's figures depend on: the executor and its ops, the kernels, the weights'
+# layout and the reference the standard path and the parity checks run
+SOURCES = (*(f"vllm/models/kimi_k3/nvidia/latency_specialized/{f}.py" for f in (
+               "executor", "decode_ops", "torch_ops", "config", "weights", "moe_padding")),
+           *(f"vllm/models/kimi_k3/nvidia/benchmarks/{f}.py" for f in ("decode_latency", "bench_moe",
+                                                                      "bench_skinny_gemm")),
            *(f"vllm/models/kimi_k3/nvidia/kernels/{k}.py" for k in (
                "attn_res", "embedding", "kda_decode", "mla_cache_write", "mla_decode", "mla_combine", "moe_combine",
-               "moe_experts", "moe_router", "rms_norm", "situ_mul", "skinny_gemm")))
+               "moe_experts", "moe_router", "rms_norm", "situ_mul", "skinny_gemm")),
+           *(f"vllm/models/kimi_k3/nvidia/reference/{r}.py" for r in (
+               "attn_res", "collective", "dense_mlp", "kda", "mla", "model", "moe", "ops", "params", "state")))
 # Parity. With random weights, K3's router (top-16 of 896, sigmoid scores within ~0.03 of each
 # other around the 16th place) flips experts on perturbations of bf16 size: measured on CPU, 1e-3
 # relative noise on every GEMM output moves one step's logits by 0.28 (top-1 agreement 0.5) on the
@@ -155,7 +159,8 @@ def floor_bytes(model: ReferenceModel, ex: SpecializedDecode, key: tuple[int, in
                 if name not in ("w13", "w2"):
                     dense += t.numel() * t.element_size()
             ids = next(routed)[:requests * key[1]].flatten()
-            per_expert = (lw.mlp.w13[0].numel() + lw.mlp.w2[0].numel()) * 2
+            # the checkpoint's columns, not the padded slice (TP16: 192 of 256; the kernels skip the rest)
+            per_expert = 3 * lw.mlp.w13.shape[2] * model.shard.moe_inter_real * 2
             expert += int(torch.unique(ids).numel()) * per_expert
         else:
             dense += sum(t.numel() * t.element_size() for t in lw.mlp.tensors().values())

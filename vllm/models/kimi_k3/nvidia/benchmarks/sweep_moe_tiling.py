@@ -64,11 +64,12 @@ def candidates(gate_up: bool, n_out: int, k: int, m_atoms: int) -> list[ExpertTi
 
 
 def sweep_pass(tp: int, gate_up: bool, m: int, w: torch.Tensor, xs: list[torch.Tensor], ids: list[torch.Tensor],
-               deadline: float) -> dict:
-    """Time each candidate of one pass; the pick first (its output is the comparison)."""
-    n_experts, _, k = w.shape
+               inter: int, deadline: float) -> dict:
+    """Time each candidate of one pass over `inter` intermediate columns (read width) of the
+    stored slices; the pick first (its output is the comparison)."""
+    n_experts, w_rows, ld = w.shape
     top_k = ids[0].shape[1]
-    n_out = w.shape[1] // 2 if gate_up else w.shape[1]
+    n_out, k = (inter, ld) if gate_up else (w_rows, inter)
     m_atoms = -(-m // 8)
     beta, linear_beta = activation_clips(K3) if gate_up else (None, None)
     pick = moe_experts.choose_tiling(gate_up, n_out, k, m_atoms)
@@ -80,7 +81,7 @@ def sweep_pass(tp: int, gate_up: bool, m: int, w: torch.Tensor, xs: list[torch.T
             rows.append({"tiling": asdict(tiling), "skipped": "budget"})
             continue
         fn = moe_experts.compile_expert_gemv(gate_up, n_experts, top_k, n_out, k, m_atoms, beta, linear_beta,
-                                             tiling, facts(w.device).arch)
+                                             tiling, facts(w.device).arch, w_rows=w_rows, ld=ld)
 
         # the stream is read at each launch: time_graph captures on its own stream, and a launch
         # on a stream fixed before it would stay out of the graph (the first run timed empty graphs)
@@ -119,14 +120,14 @@ def main(argv: list[str] | None = None) -> int:
     h, top_k, n_experts = K3.routed_expert_hidden_size, K3.num_experts_per_token, K3.num_experts
     results = []
     for tp in args.tps:
-        inter = K3.shard(tp, 0).moe_inter
-        w13, w2 = expert_weights(tp, gen)
+        w13, w2, real = expert_weights(tp, gen)
+        inter = moe_experts.read_width(real)
         for m in args.rows:
             ids = [uniform_routing(m, n_experts, top_k, gen) for _ in range(ROUTING_SETS)]
             x_lat = [torch.randn(m, h, generator=gen, device="cuda").to(torch.bfloat16) for _ in ids]
             hidden = [torch.randn(m * top_k, inter, generator=gen, device="cuda").to(torch.bfloat16) for _ in ids]
             for gate_up, w, xs in ((True, w13, x_lat), (False, w2, hidden)):
-                r = sweep_pass(tp, gate_up, m, w, xs, ids, deadline)
+                r = sweep_pass(tp, gate_up, m, w, xs, ids, inter, deadline)
                 results.append(r)
                 best = r["best"]
                 print(f"TP{tp:<3} M={m:<3} {r['pass']:<8} pick {r['pick'].get('time_us', float('nan')):8.1f} us "

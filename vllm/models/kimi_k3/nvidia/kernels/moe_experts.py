@@ -15,8 +15,10 @@ This file holds one kernel, a grouped expert GEMV launched twice (gate/up with t
 into h, then down into o), and the launcher of the whole op, which then runs the combine.
 
 Envelope: x_lat [M, H] bf16, 1 <= M <= 64; ids [M, k] int32 and weights [M, k] fp32,
-1 <= k <= 32; w13 [E, 2·I, H] and w2 [E, H, I] bf16; H % 128 == 0, I % 64 == 0 (K3 per rank:
-H = 3584, I = 3072 @TP1, 384 @TP8, 256 padded @TP16); all contiguous, 16-byte aligned, on one
+1 <= k <= 32; w13 [E, 2·I, H] and w2 [E, H, I] bf16, each slice holding `inter` real columns
+(default I) and zeros beyond; H % 128 == 0, and the real columns rounded up to 64 fit in I (K3
+per rank: H = 3584, I = 3072 @TP1, 384 @TP8, and @TP16 192 real of 256: vLLM pads the slice to
+256, the kernels read 192, a quarter fewer bytes); all contiguous, 16-byte aligned, on one
 CUDA device. Ids outside [0, E) are padding: skipped, their weight unused. An id repeated
 within a row (the router never does this) is computed once, into the row of its first pick, and
 the combine reads that row for every repeat, so each pick still adds w_j · expert(x).
@@ -114,13 +116,13 @@ def choose_tiling(gate_up: bool, n_out: int, k: int, m_atoms: int) -> ExpertTili
     return ExpertTiling(row_tiles, chunk_atoms, x_atoms, warps_n, warps_k)
 
 
-def weight_row(gate_up: bool, n_out: int, row_tiles: int, warps_n: int, tile, wn, g, i: int):
+def weight_row(gate_up: bool, up_at: int, row_tiles: int, warps_n: int, tile, wn, g, i: int):
     """The expert's weight row that register row i of lane group g in warp wn of CTA `tile`
     loads: i // 2 is the warp's 16-row tile, i % 2 its 8-row half. For gate/up tile 0 holds gate
-    rows and tile 1 the matching up rows, n_out further on. Plain arithmetic: the kernel calls it
-    on device integers, the CPU tests on Python ints."""
+    rows and tile 1 the matching up rows, which start at row up_at (w13's padded half; unused for
+    down). Plain arithmetic: the kernel calls it on device integers, the CPU tests on Python ints."""
     if gate_up:
-        return tile * 16 * warps_n + wn * 16 + g + (i // 2) * n_out + 8 * (i % 2)
+        return tile * 16 * warps_n + wn * 16 + g + (i // 2) * up_at + 8 * (i % 2)
     return tile * 16 * row_tiles * warps_n + wn * 16 * row_tiles + g + (i // 2) * 16 + 8 * (i % 2)
 
 
@@ -136,12 +138,12 @@ def gate_column(col):
 
 
 @cute.jit
-def _load_w(w_vec: cute.Tensor, dst: cute.Tensor, gate_up: Constexpr, n_out: Constexpr, row_tiles: Constexpr,
+def _load_w(w_vec: cute.Tensor, dst: cute.Tensor, gate_up: Constexpr, up_at: Constexpr, row_tiles: Constexpr,
             warps_n: Constexpr, tile: Int32, wn: Int32, g: Int32, col0: Int32, vecs: Constexpr):
     """This lane's 2·row_tiles weight rows (`weight_row`), `vecs` 16-byte vectors each from
     column vector col0 on, into registers one row after the other."""
     for i in cutlass.range_constexpr(2 * row_tiles):
-        row = weight_row(gate_up, n_out, row_tiles, warps_n, tile, wn, g, i)
+        row = weight_row(gate_up, up_at, row_tiles, warps_n, tile, wn, g, i)
         for v in cutlass.range_constexpr(vecs):
             vec = cute.make_tensor(dst.iterator + (i * vecs + v) * 8, cute.make_layout(8))
             cute.autovec_copy(w_vec[(0, None), (row, col0 + v)], vec)
@@ -198,7 +200,7 @@ def situ(gate: Float32, up: Float32, beta: Constexpr, linear_beta: Constexpr) ->
 
 @cute.jit
 def _expert_rows_gemv(w_vec: cute.Tensor, x_vec: cute.Tensor, src_row: cute.Tensor, red: cute.Tensor, rows: Int32,
-                      gate_up: Constexpr, n_out: Constexpr, k: Constexpr, atoms: Constexpr, row_tiles: Constexpr,
+                      gate_up: Constexpr, up_at: Constexpr, k: Constexpr, atoms: Constexpr, row_tiles: Constexpr,
                       chunk_atoms: Constexpr, x_atoms: Constexpr, warps_n: Constexpr, warps_k: Constexpr,
                       tile: Int32, wn: Int32, wk: Int32, g: Int32, c: Int32):
     """One warp's share of the expert's GEMV over `atoms` 8-row atoms of gathered x rows, its
@@ -216,14 +218,14 @@ def _expert_rows_gemv(w_vec: cute.Tensor, x_vec: cute.Tensor, src_row: cute.Tens
     w_next, w_cur, x_frag, acc, mma = mma_registers(lane_elems, 2 * row_tiles, x_elems, row_tiles, atoms)
 
     if my_chunks > 0:
-        _load_w(w_vec, w_next, gate_up, n_out, row_tiles, warps_n, tile, wn, g,
+        _load_w(w_vec, w_next, gate_up, up_at, row_tiles, warps_n, tile, wn, g,
                 wk * (chunk_k // 8) + c * (lane_elems // 8), lane_elems // 8)
     for it in cutlass.range(my_chunks):
         chunk = wk + it * warps_k
         # chunk i+1 is in flight while chunk i is multiplied
         w_cur.store(w_next.load())
         if it + 1 < my_chunks:
-            _load_w(w_vec, w_next, gate_up, n_out, row_tiles, warps_n, tile, wn, g,
+            _load_w(w_vec, w_next, gate_up, up_at, row_tiles, warps_n, tile, wn, g,
                     (chunk + warps_k) * (chunk_k // 8) + c * (lane_elems // 8), lane_elems // 8)
         for s in cutlass.range_constexpr(chunk_atoms // x_atoms):
             _load_x(x_vec, x_frag, x_rows, atoms,
@@ -241,8 +243,8 @@ def _expert_rows_gemv(w_vec: cute.Tensor, x_vec: cute.Tensor, src_row: cute.Tens
 @cute.kernel
 def _expert_gemv_kernel(
     w_ptr: cute.Pointer, x_ptr: cute.Pointer, ids_ptr: cute.Pointer, out_ptr: cute.Pointer,
-    m: Int32, n_experts: Constexpr, top_k: Constexpr, n_out: Constexpr, k: Constexpr,
-    gate_up: Constexpr, beta: Constexpr, linear_beta: Constexpr, m_atoms: Constexpr,
+    m: Int32, n_experts: Constexpr, top_k: Constexpr, n_out: Constexpr, k: Constexpr, w_rows: Constexpr,
+    ld: Constexpr, gate_up: Constexpr, beta: Constexpr, linear_beta: Constexpr, m_atoms: Constexpr,
     row_tiles: Constexpr, chunk_atoms: Constexpr, x_atoms: Constexpr,
     warps_n: Constexpr, warps_k: Constexpr,
 ):
@@ -255,7 +257,6 @@ def _expert_gemv_kernel(
     g = lane // 4
     c = lane % 4
     threads = 32 * warps_n * warps_k
-    n_w = 2 * n_out if gate_up else n_out  # weight rows per expert
     block_w = 16 * row_tiles * warps_n  # weight rows of one CTA
     block_out = block_w // 2 if gate_up else block_w
     # x: gate/up reads the token row r, down reads h of the pick r·k + j
@@ -314,8 +315,8 @@ def _expert_gemv_kernel(
         cute.arch.sync_threads()
         # 64-bit: E·rows·K exceeds 2^31 elements at K3's shapes; the divisibility keeps the
         # pointer's 16-byte alignment known, so the W loads stay 16-byte vectors
-        w_expert = w_ptr + cute.assume(Int64(expert) * Int64(n_w * k), divby=8)
-        w_vec = cute.zipped_divide(cute.make_tensor(w_expert, cute.make_layout((n_w, k), stride=(k, 1))), (1, 8))
+        w_expert = w_ptr + cute.assume(Int64(expert) * Int64(w_rows * ld), divby=8)
+        w_vec = cute.zipped_divide(cute.make_tensor(w_expert, cute.make_layout((w_rows, k), stride=(ld, 1))), (1, 8))
         x_vec = cute.zipped_divide(
             cute.make_tensor(x_ptr, cute.make_layout((x_rows_total, k), stride=(k, 1))), (1, 8))
 
@@ -326,7 +327,7 @@ def _expert_gemv_kernel(
             fewer, atoms = atom_window(m_atoms, si)
             if need > fewer:
                 if need <= atoms:
-                    _expert_rows_gemv(w_vec, x_vec, src_row, red, rows, gate_up, n_out, k, atoms, row_tiles,
+                    _expert_rows_gemv(w_vec, x_vec, src_row, red, rows, gate_up, w_rows // 2, k, atoms, row_tiles,
                                       chunk_atoms, x_atoms, warps_n, warps_k, tile, wn, wk, g, c)
         cute.arch.sync_threads()
 
@@ -353,14 +354,14 @@ def _expert_gemv_kernel(
 def _expert_gemv_host(
     w_ptr: cute.Pointer, x_ptr: cute.Pointer, ids_ptr: cute.Pointer, out_ptr: cute.Pointer,
     m: Int32, stream: cuda.CUstream,
-    n_experts: Constexpr, top_k: Constexpr, n_out: Constexpr, k: Constexpr,
+    n_experts: Constexpr, top_k: Constexpr, n_out: Constexpr, k: Constexpr, w_rows: Constexpr, ld: Constexpr,
     gate_up: Constexpr, beta: Constexpr, linear_beta: Constexpr, m_atoms: Constexpr,
     row_tiles: Constexpr, chunk_atoms: Constexpr, x_atoms: Constexpr,
     warps_n: Constexpr, warps_k: Constexpr,
 ):
     block_out = 16 * warps_n * (1 if gate_up else row_tiles)
     _expert_gemv_kernel(
-        w_ptr, x_ptr, ids_ptr, out_ptr, m, n_experts, top_k, n_out, k, gate_up, beta, linear_beta,
+        w_ptr, x_ptr, ids_ptr, out_ptr, m, n_experts, top_k, n_out, k, w_rows, ld, gate_up, beta, linear_beta,
         m_atoms, row_tiles, chunk_atoms, x_atoms, warps_n, warps_k,
     ).launch(
         grid=(m * top_k, n_out // block_out, 1),
@@ -369,26 +370,39 @@ def _expert_gemv_host(
     )
 
 
-
 def compile_expert_gemv(gate_up: bool, n_experts: int, top_k: int, n_out: int, k: int, m_atoms: int,
                         beta: float | None, linear_beta: float | None, tiling: ExpertTiling,
-                        arch: str, ptx_dir: str | None = None) -> Any:
+                        arch: str, ptx_dir: str | None = None, *, w_rows: int | None = None,
+                        ld: int | None = None) -> Any:
     """Compile one GEMV pass (gate/up with SiTU, or down) for a static shape and arch; needs no GPU.
 
-    With ptx_dir the PTX is kept in the result's `artifacts.PTX` (and written into ptx_dir).
+    The pass reads n_out outputs over k inputs out of each expert's stored [w_rows, ld] block
+    (default: exactly [2·n_out or n_out, k]); a wider block is the zero-padded slice of
+    `launch`, whose padding is never read. With ptx_dir the PTX is kept in the result's
+    `artifacts.PTX` (and written into ptx_dir).
     """
+    w_rows = (2 * n_out if gate_up else n_out) if w_rows is None else w_rows
+    ld = k if ld is None else ld
     return cute.compile(
         _expert_gemv_host,
         gmem_ptr(BFloat16, 16), gmem_ptr(BFloat16, 16), gmem_ptr(Int32, 16, 4), gmem_ptr(BFloat16, 16),
         Int32(1), cute.runtime.make_fake_stream(),
-        n_experts, top_k, n_out, k, gate_up, beta, linear_beta, m_atoms,
+        n_experts, top_k, n_out, k, w_rows, ld, gate_up, beta, linear_beta, m_atoms,
         tiling.row_tiles, tiling.chunk_atoms, tiling.x_atoms, tiling.warps_n, tiling.warps_k,
         options=f"--gpu-arch {arch}" + (f" --keep-ptx --dump-dir={ptx_dir}" if ptx_dir else ""),
     )
 
 
+INTER_CHUNK = 64  # the down pass's K chunk: the intermediate columns are read in whole chunks
+
+
+def read_width(inter: int) -> int:
+    """Intermediate columns the kernels read for an expert slice holding `inter` real ones."""
+    return -(-inter // INTER_CHUNK) * INTER_CHUNK
+
+
 def check_envelope(x_lat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-                   w2: torch.Tensor, out: torch.Tensor | None) -> None:
+                   w2: torch.Tensor, out: torch.Tensor | None, inter: int | None = None) -> None:
     """Raise MoEExpertsEnvelopeError naming what is outside the envelope (no GPU work)."""
     def need(cond: bool, msg: str) -> None:
         if not cond:
@@ -405,7 +419,7 @@ def check_envelope(x_lat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
          f"x_lat, w13 and w2 must be bfloat16, got {x_lat.dtype}, {w13.dtype}, {w2.dtype}")
     need(ids.dtype == torch.int32, f"ids must be int32, got {ids.dtype}; use ids.to(torch.int32)")
     need(weights.dtype == torch.float32, f"weights must be float32, got {weights.dtype}")
-    (m, h), (e, i2, h13), (e2, h2, inter) = x_lat.shape, w13.shape, w2.shape
+    (m, h), (e, i2, h13), (e2, h2, i_pad) = x_lat.shape, w13.shape, w2.shape
     need(1 <= m <= MAX_ROWS, f"M={m} rows is outside 1..{MAX_ROWS}; split the batch into chunks of <= {MAX_ROWS}")
     need(ids.shape == weights.shape and ids.shape[0] == m,
          f"ids {tuple(ids.shape)} and weights {tuple(weights.shape)} must both be [M={m}, k]")
@@ -413,9 +427,15 @@ def check_envelope(x_lat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
     need(1 <= top_k <= MAX_TOP_K, f"k={top_k} selected experts per row is outside 1..{MAX_TOP_K}")
     need(e == e2 and e >= 1, f"w13 has E={e} experts but w2 has {e2}")
     need(h13 == h and h2 == h, f"x_lat has H={h} but w13 is {tuple(w13.shape)} and w2 {tuple(w2.shape)}")
-    need(i2 == 2 * inter, f"w13 has {i2} rows per expert, must be 2·I = {2 * inter} to match w2's I={inter}")
+    need(i2 == 2 * i_pad, f"w13 has {i2} rows per expert, must be 2·I = {2 * i_pad} to match w2's I={i_pad}")
     need(h % 128 == 0, f"H={h} must be a multiple of 128")
-    need(inter % 64 == 0, f"I={inter} must be a multiple of 64; zero-pad the expert slices as ShardShapes.moe_inter does")
+    real = i_pad if inter is None else inter
+    need(isinstance(real, int) and 1 <= real <= i_pad,
+         f"inter={inter!r} must be an int in 1..{i_pad} (the real columns of w2's I={i_pad})")
+    need(read_width(real) <= i_pad and i_pad % 8 == 0,
+         f"I={i_pad} columns per expert cannot be read in {INTER_CHUNK}-column chunks for inter={real} "
+         f"(needs {read_width(real)}); zero-pad the expert slices to a multiple of {INTER_CHUNK} "
+         "(latency_specialized/moe_padding.py)")
     need(all(t.is_contiguous() for t in named.values()), "x_lat, ids, weights, w13 and w2 must be contiguous")
     if out is not None:
         need(isinstance(out, torch.Tensor) and out.shape == (m, h) and out.dtype == torch.bfloat16
@@ -440,30 +460,36 @@ _COMPILED: dict[tuple, Any] = {}
 def _gemv(dev: DeviceFacts, gate_up: bool, w: torch.Tensor, x: torch.Tensor, ids: torch.Tensor,
           out: torch.Tensor, m: int, n_out: int, k: int, beta: float | None, linear_beta: float | None,
           stream: cuda.CUstream) -> None:
-    n_experts, top_k = w.shape[0], ids.shape[1]
+    n_experts, w_rows, ld = w.shape
+    top_k = ids.shape[1]
     m_atoms = -(-m // 8)
     tiling = choose_tiling(gate_up, n_out, k, m_atoms)
-    key = (gate_up, n_experts, top_k, n_out, k, m_atoms, beta, linear_beta, dev.arch, tiling)
+    key = (gate_up, n_experts, top_k, n_out, k, w_rows, ld, m_atoms, beta, linear_beta, dev.arch, tiling)
     fn = _COMPILED.get(key)
     if fn is None:
         fn = _COMPILED[key] = compile_expert_gemv(gate_up, n_experts, top_k, n_out, k, m_atoms,
-                                                  beta, linear_beta, tiling, dev.arch)
+                                                  beta, linear_beta, tiling, dev.arch, w_rows=w_rows, ld=ld)
     fn(gmem_ptr(BFloat16, w.data_ptr()), gmem_ptr(BFloat16, x.data_ptr()), gmem_ptr(Int32, ids.data_ptr(), 4),
        gmem_ptr(BFloat16, out.data_ptr()), m, stream)
 
 
 def launch(x_lat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
-           w2: torch.Tensor, out: torch.Tensor | None = None, *, beta: float | None = 4.0,
-           linear_beta: float | None = 25.0, stream: torch.cuda.Stream | None = None) -> torch.Tensor:
+           w2: torch.Tensor, out: torch.Tensor | None = None, *, inter: int | None = None,
+           beta: float | None = 4.0, linear_beta: float | None = 25.0,
+           stream: torch.cuda.Stream | None = None) -> torch.Tensor:
     """y [M, H] bf16 = this rank's Σ_j w_j · expert_{ids_j}(x_lat) (module docstring) into `out`.
 
-    beta / linear_beta are SiTU's β and λ (None: no clip; both None is SiLU-and-mul), as
-    `reference/dense_mlp.py::activation_clips` gives them. Three launches on `stream` (default:
-    the current stream): gate/up, down, combine. The first call of a shape compiles (seconds).
+    inter: the real intermediate columns of each expert slice (default: all of w2's I). Slices
+    zero-padded beyond it (vLLM pads TP16's 192 to 256) are read only up to `read_width(inter)`,
+    so the padding costs no bytes. beta / linear_beta are SiTU's β and λ (None: no clip; both
+    None is SiLU-and-mul), as `reference/dense_mlp.py::activation_clips` gives them. Three
+    launches on `stream` (default: the current stream): gate/up, down, combine. The first call
+    of a shape compiles (seconds).
     """
-    check_envelope(x_lat, ids, weights, w13, w2, out)
+    check_envelope(x_lat, ids, weights, w13, w2, out, inter)
     m, h = x_lat.shape
-    top_k, inter = ids.shape[1], w2.shape[2]
+    top_k = ids.shape[1]
+    inter = read_width(w2.shape[2] if inter is None else inter)
     dev = facts(x_lat.device)
     hidden, expert_out = buffers(dev, top_k, inter, h)
     if out is None:

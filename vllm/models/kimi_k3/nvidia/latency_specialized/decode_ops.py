@@ -258,4 +258,6 @@ class KernelOps(DecodeOps):
         self._rec("moe_expert_gemv")  # down
         self._rec("moe_combine")
         beta, linear_beta = ref_moe.activation_clips(cfg)
-        return self.k_experts.launch(x_lat, ids, weights, w.w13, w.w2, beta=beta, linear_beta=linear_beta)
+        # the real columns only: TP16's slices are padded to 256 (moe_inter) around 192 real ones
+        return self.k_experts.launch(x_lat, ids, weights, w.w13, w.w2, inter=shard.moe_inter_real, beta=beta,
+                                     linear_beta=linear_beta)

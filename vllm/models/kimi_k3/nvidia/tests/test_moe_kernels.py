@@ -10,7 +10,8 @@ router distributions (uniform, skewed, every row the same experts, padding rows/
 expert repeated within a row, which the router never emits but the kernels define), four
 input distributions, NaN-poisoned output and NaN-poisoned internal buffers (every value used
 must have been written), NaN planted in every expert no row selected (an unselected expert
-must not contribute), per-row ‖out − ref‖/‖ref‖ under a bound, repeat launches bit-identical,
+must not contribute) and, at TP16, in the 64 padding columns of every 256-wide expert slice
+(the kernels read the 192 real ones only), per-row ‖out − ref‖/‖ref‖ under a bound, repeat launches bit-identical,
 CUDA-graph capture and replay. Router (GPU): ids equal to the reference's and weights within
 fp32 rounding on normal logits, planted ties (quantized logits and bias), NaN and −inf logits,
 rows with fewer finite keys than k. With K3_EVIDENCE_DIR set the GPU results are written there
@@ -39,10 +40,10 @@ K3 = PRESETS["k3"]
 H_LAT = K3.routed_expert_hidden_size
 TOP_K = K3.num_experts_per_token
 BETA, LINEAR_BETA = activation_clips(K3)
-# per-rank routed intermediate (padded) and the experts a test allocates (TP1's 896 experts
-# would be 59 GB; 128 of them exercise the same code)
-TP_SHAPES = {16: (K3.shard(16, 0).moe_inter, K3.num_experts), 8: (K3.shard(8, 0).moe_inter, K3.num_experts),
-             1: (K3.shard(1, 0).moe_inter, 128)}
+# per-rank routed intermediate as stored (TP16: padded to 256) and as held (TP16: 192), and the
+# experts a test allocates (TP1's 896 experts would be 59 GB; 128 of them exercise the same code)
+TP_SHAPES = {tp: (K3.shard(tp, 0).moe_inter, K3.shard(tp, 0).moe_inter_real, n)
+             for tp, n in ((16, K3.num_experts), (8, K3.num_experts), (1, 128))}
 ROWS = (1, 2, 3, 8, 16, 33, 64)
 ROUTINGS = ("uniform", "skewed", "same_experts", "padding", "repeated_ids")
 # bf16 output rounding (2^-9) plus the reference's bf16 roundings of gate/up/h/o, which can
@@ -79,9 +80,17 @@ def _routing(kind: str, m: int, n_experts: int, gen: torch.Generator, device: st
     return ids, weights.contiguous()
 
 
-def _reference(x_lat, ids, weights, w13, w2):
-    """reference/moe.py's routed sum; padding picks become expert 0 at weight 0 (no contribution)."""
-    inter = w2.shape[2]
+def _real_slices(w13, w2, inter):
+    """The real `inter` columns of zero- (or NaN-) padded expert slices, as the reference takes them."""
+    i_pad = w2.shape[2]
+    return torch.cat([w13[:, :inter], w13[:, i_pad:i_pad + inter]], dim=1), w2[:, :, :inter]
+
+
+def _reference(x_lat, ids, weights, w13, w2, inter=None):
+    """reference/moe.py's routed sum over the real slices; padding picks become expert 0 at weight
+    0 (no contribution)."""
+    inter = w2.shape[2] if inter is None else inter
+    w13, w2 = _real_slices(w13, w2, inter)
     pad = ids < 0
     ref_ids = ids.masked_fill(pad, 0).long()
     ref_w = weights.masked_fill(pad, 0.0)
@@ -116,7 +125,9 @@ def _ok_inputs(m=2, k=4, e=8, inter=64, h=128):
     ("experts", "E=8 experts but w2 has 6"),
     ("hidden", "x_lat has H=256 but w13 is (8, 128, 128)"),
     ("inter_pair", "2·I = 128"),
-    ("inter64", "I=96 must be a multiple of 64"),
+    ("inter64", "I=96 columns per expert cannot be read in 64-column chunks"),
+    ("inter_real", "for inter=65 (needs 128)"),
+    ("inter_range", "inter=0 must be an int in 1..64"),
     ("h128", "H=192 must be a multiple of 128"),
     ("noncontig", "contiguous"),
     ("out", "out must be"),
@@ -145,6 +156,11 @@ def test_envelope_errors(case, match):
         a = _ok_inputs(inter=96)
     elif case == "h128":
         a = _ok_inputs(h=192)
+    elif case == "inter_real":  # 65 real columns are read as 128, but the slice holds 96
+        a = _ok_inputs(inter=96)
+        a["inter"] = 65
+    elif case == "inter_range":
+        a["inter"] = 0
     elif case == "noncontig":
         a["ids"] = torch.randint(0, 8, (4, 2), dtype=torch.int32).t()
     elif case == "out":
@@ -166,7 +182,7 @@ def test_combine_envelope_errors():
 @pytest.mark.parametrize("tp", sorted(TP_SHAPES))
 def test_tiling_covers_every_per_rank_shape(tp):
     """CTAs tile each expert's output exactly, chunks tile K, every warp layout is launchable."""
-    inter = TP_SHAPES[tp][0]
+    inter = moe_experts.read_width(TP_SHAPES[tp][1])
     for gate_up, n_out, k in ((True, inter, H_LAT), (False, H_LAT, inter)):
         for m_atoms in range(1, 9):
             t = moe_experts.choose_tiling(gate_up, n_out, k, m_atoms)
@@ -184,12 +200,14 @@ def test_index_maps_cover_each_weight_row_once_and_pair_gate_with_up(tp, m_atoms
     """The kernel's own index maps, on Python ints: over all CTAs, warps, lane groups and
     register rows every weight row of an expert is loaded exactly once; the shared-memory
     column each accumulator lands in is the one the epilogue reads for its output column; for
-    gate/up that column's gate and up sums come from weight rows n and I + n."""
-    inter = TP_SHAPES[tp][0]
+    gate/up that column's gate and up sums come from weight rows n and I + n, I the stored
+    (padded) width, and the padding rows are never loaded."""
+    i_pad, real = TP_SHAPES[tp][:2]
+    inter = moe_experts.read_width(real)
     for gate_up, n_out, k in ((True, inter, H_LAT), (False, H_LAT, inter)):
         t = moe_experts.choose_tiling(gate_up, n_out, k, m_atoms)
         block_out = t.block_out(gate_up)
-        seen = torch.zeros(2 * n_out if gate_up else n_out, dtype=torch.int32)
+        seen = torch.zeros(2 * i_pad if gate_up else n_out, dtype=torch.int32)
         # block column -> weight row, for every CTA tile
         for tile in range(n_out // block_out):
             col_row = {}
@@ -197,7 +215,7 @@ def test_index_maps_cover_each_weight_row_once_and_pair_gate_with_up(tp, m_atoms
                 for g in range(8):
                     for r in range(t.row_tiles):
                         for v1 in range(2):
-                            row = moe_experts.weight_row(gate_up, n_out, t.row_tiles, t.warps_n, tile, wn, g,
+                            row = moe_experts.weight_row(gate_up, i_pad, t.row_tiles, t.warps_n, tile, wn, g,
                                                          2 * r + v1)
                             seen[row] += 1
                             col = moe_experts.block_column(t.row_tiles, wn, r, v1, g)
@@ -207,10 +225,14 @@ def test_index_maps_cover_each_weight_row_once_and_pair_gate_with_up(tp, m_atoms
                 n = tile * block_out + col
                 if gate_up:
                     gate_col = moe_experts.gate_column(col)
-                    assert col_row[gate_col] == n and col_row[gate_col + 16] == inter + n, (tp, tile, col)
+                    assert col_row[gate_col] == n and col_row[gate_col + 16] == i_pad + n, (tp, tile, col)
                 else:
                     assert col_row[col] == n, (tp, tile, col)
-        assert bool((seen == 1).all()), f"tp{tp} gate_up={gate_up}: weight rows loaded {seen.unique().tolist()} times"
+        want = torch.ones_like(seen)
+        if gate_up:  # w13's padding rows: the end of each half
+            want[inter:i_pad] = 0
+            want[i_pad + inter:] = 0
+        assert torch.equal(seen, want), f"tp{tp} gate_up={gate_up}: weight rows loaded {seen.unique().tolist()} times"
 
 
 @pytest.mark.parametrize("m_atoms", range(1, 9))
@@ -230,21 +252,22 @@ def test_atom_steps_hold_every_row_count_with_at_most_half_wasted(m_atoms):
 
 # ---------------------------------------------------------------- compile checks (CPU)
 
-COMPILE_CASES = [  # (pass, per-rank intermediate, m_atoms)
-    ("gate_up", 384, 1),   # TP8, M <= 8
-    ("down", 256, 8),      # TP16, M = 64
+COMPILE_CASES = [  # (pass, per-rank intermediate read, as stored, m_atoms)
+    ("gate_up", 384, 384, 1),   # TP8, M <= 8
+    ("down", 192, 256, 8),      # TP16, M = 64: 192 real columns of the 256-wide padded slice
 ]
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
-@pytest.mark.parametrize("which, inter, m_atoms", COMPILE_CASES)
-def test_expert_gemv_compiles_for_arch(arch, which, inter, m_atoms, tmp_path):
+@pytest.mark.parametrize("which, inter, i_pad, m_atoms", COMPILE_CASES)
+def test_expert_gemv_compiles_for_arch(arch, which, inter, i_pad, m_atoms, tmp_path):
     gate_up = which == "gate_up"
     n_out, k = (inter, H_LAT) if gate_up else (H_LAT, inter)
+    w_rows, ld = (2 * i_pad, H_LAT) if gate_up else (H_LAT, i_pad)
     t = moe_experts.choose_tiling(gate_up, n_out, k, m_atoms)
     beta, lin = (BETA, LINEAR_BETA) if gate_up else (None, None)
     ptx = moe_experts.compile_expert_gemv(gate_up, K3.num_experts, TOP_K, n_out, k, m_atoms, beta, lin, t,
-                                          arch, ptx_dir=str(tmp_path)).artifacts.PTX
+                                          arch, ptx_dir=str(tmp_path), w_rows=w_rows, ld=ld).artifacts.PTX
     assert f".target {arch}" in ptx
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
     assert "ld.global.v4.b32" in ptx  # 16-byte loads of W and x
@@ -277,21 +300,25 @@ def evidence():
 
 def _poison_buffers(device: torch.device, inter: int) -> None:
     """NaN in the kernels' h / o buffers: a value read before it was written shows in the output."""
-    for buf in moe_experts.buffers(facts(device), TOP_K, inter, H_LAT):
+    for buf in moe_experts.buffers(facts(device), TOP_K, moe_experts.read_width(inter), H_LAT):
         buf.fill_(float("nan"))
 
 
 @pytest.fixture(scope="module", params=sorted(TP_SHAPES, reverse=True), ids=lambda tp: f"tp{tp}")
 def expert_weights(request):
     tp = request.param
-    inter, n_experts = TP_SHAPES[tp]
+    i_pad, inter, n_experts = TP_SHAPES[tp]
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False  # an fp32-summed oracle
     gen = torch.Generator(device="cuda").manual_seed(1000 + tp)
-    # scaled so normal inputs give O(1) gate/up and outputs
-    w13 = draw("normal", (n_experts, 2 * inter, H_LAT), gen, "cuda", scale=H_LAT ** -0.5)
-    w2 = draw("normal", (n_experts, H_LAT, inter), gen, "cuda", scale=inter ** -0.5)
-    yield tp, w13, w2
+    # scaled so normal inputs give O(1) gate/up and outputs; TP16's padding columns hold NaN
+    # instead of vLLM's zeros, so a single padding value read shows in the output
+    w13 = draw("normal", (n_experts, 2 * i_pad, H_LAT), gen, "cuda", scale=H_LAT ** -0.5)
+    w2 = draw("normal", (n_experts, H_LAT, i_pad), gen, "cuda", scale=inter ** -0.5)
+    w13[:, inter:i_pad] = float("nan")
+    w13[:, i_pad + inter:] = float("nan")
+    w2[:, :, inter:] = float("nan")
+    yield tp, w13, w2, inter
     del w13, w2
     torch.cuda.empty_cache()
 
@@ -299,8 +326,8 @@ def expert_weights(request):
 @pytest.mark.gpu
 @pytest.mark.parametrize("routing", ROUTINGS)
 def test_matches_reference(expert_weights, routing, evidence):
-    tp, w13, w2 = expert_weights
-    n_experts, inter = w13.shape[0], w2.shape[2]
+    tp, w13, w2, inter = expert_weights
+    n_experts = w13.shape[0]
     gen = torch.Generator(device="cuda").manual_seed(tp * 31 + ROUTINGS.index(routing))
     failures = []
     for dist in DISTRIBUTIONS:
@@ -308,15 +335,16 @@ def test_matches_reference(expert_weights, routing, evidence):
             x_lat = draw(dist, (m, H_LAT), gen, "cuda")
             ids, weights = _routing(routing, m, n_experts, gen, "cuda")
             out = torch.full((m, H_LAT), float("nan"), dtype=torch.bfloat16, device="cuda")
-            moe_experts.launch(x_lat, ids, weights, w13, w2)  # compiles and allocates the buffers
+            moe_experts.launch(x_lat, ids, weights, w13, w2, inter=inter)  # compiles and allocates the buffers
             _poison_buffers(x_lat.device, inter)
-            moe_experts.launch(x_lat, ids, weights, w13, w2, out, beta=BETA, linear_beta=LINEAR_BETA)
-            ref = _reference(x_lat, ids, weights, w13, w2)
+            moe_experts.launch(x_lat, ids, weights, w13, w2, out, inter=inter, beta=BETA, linear_beta=LINEAR_BETA)
+            ref = _reference(x_lat, ids, weights, w13, w2, inter)
             unwritten = int(torch.isnan(out).sum())
             rel = _row_rel_err(out, ref)
             ok = unwritten == 0 and rel < REL_ERR_BOUND
             evidence.append({"name": f"tp{tp} {routing} M={m} {dist}", "status": "pass" if ok else "fail",
-                             "shape": {"tp": tp, "m": m, "experts": n_experts, "inter": inter, "h_lat": H_LAT,
+                             "shape": {"tp": tp, "m": m, "experts": n_experts, "inter": inter,
+                                       "inter_stored": w2.shape[2], "h_lat": H_LAT,
                                        "top_k": TOP_K},
                              "routing": routing, "distribution": dist, "rel_err_max_row": rel,
                              "unwritten": unwritten})
@@ -328,7 +356,7 @@ def test_matches_reference(expert_weights, routing, evidence):
 @pytest.mark.gpu
 def test_unselected_experts_do_not_contribute(expert_weights, evidence):
     """NaN in every expert no row picked: the output stays finite and equal to the reference."""
-    tp, w13, w2 = expert_weights
+    tp, w13, w2, inter = expert_weights
     n_experts = w13.shape[0]
     gen = torch.Generator(device="cuda").manual_seed(77 + tp)
     m = 33
@@ -339,8 +367,8 @@ def test_unselected_experts_do_not_contribute(expert_weights, evidence):
     w13_p, w2_p = w13.clone(), w2.clone()
     w13_p[unpicked] = float("nan")
     w2_p[unpicked] = float("nan")
-    out = moe_experts.launch(x_lat, ids, weights, w13_p, w2_p)
-    rel = _row_rel_err(out, _reference(x_lat, ids, weights, w13, w2))
+    out = moe_experts.launch(x_lat, ids, weights, w13_p, w2_p, inter=inter)
+    rel = _row_rel_err(out, _reference(x_lat, ids, weights, w13, w2, inter))
     ok = bool(torch.isfinite(out).all()) and rel < REL_ERR_BOUND
     evidence.append({"name": f"tp{tp} NaN in unselected experts M={m}", "status": "pass" if ok else "fail",
                      "rel_err_max_row": rel, "unselected_experts": int(unpicked.sum())})
@@ -351,25 +379,25 @@ def test_unselected_experts_do_not_contribute(expert_weights, evidence):
 @pytest.mark.gpu
 def test_repeat_launch_and_cuda_graph(expert_weights):
     """Repeat launches are bit-identical; a captured launch replays on new ids and inputs."""
-    tp, w13, w2 = expert_weights
+    tp, w13, w2, inter = expert_weights
     n_experts = w13.shape[0]
     gen = torch.Generator(device="cuda").manual_seed(5 + tp)
     m = 5
     x_lat = draw("normal", (m, H_LAT), gen, "cuda")
     ids, weights = _routing("uniform", m, n_experts, gen, "cuda")
-    first = moe_experts.launch(x_lat, ids, weights, w13, w2)
+    first = moe_experts.launch(x_lat, ids, weights, w13, w2, inter=inter)
     for _ in range(3):
-        assert torch.equal(moe_experts.launch(x_lat, ids, weights, w13, w2), first)
+        assert torch.equal(moe_experts.launch(x_lat, ids, weights, w13, w2, inter=inter), first)
     out = torch.full_like(first, float("nan"))
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        moe_experts.launch(x_lat, ids, weights, w13, w2, out)
+        moe_experts.launch(x_lat, ids, weights, w13, w2, out, inter=inter)
         torch.cuda.synchronize()
         out.fill_(float("nan"))
         with torch.cuda.graph(graph, stream=stream):
-            moe_experts.launch(x_lat, ids, weights, w13, w2, out)
+            moe_experts.launch(x_lat, ids, weights, w13, w2, out, inter=inter)
     torch.cuda.synchronize()
     assert torch.isnan(out).all(), "capture ran the kernels instead of recording them"
     new_ids, new_weights = _routing("skewed", m, n_experts, gen, "cuda")
@@ -378,7 +406,7 @@ def test_repeat_launch_and_cuda_graph(expert_weights):
     weights.copy_(new_weights)
     graph.replay()
     torch.cuda.synchronize()
-    assert _row_rel_err(out, _reference(x_lat, ids, weights, w13, w2)) < REL_ERR_BOUND
+    assert _row_rel_err(out, _reference(x_lat, ids, weights, w13, w2, inter)) < REL_ERR_BOUND
 
 
 # ---------------------------------------------------------------- router
