@@ -99,16 +99,19 @@ def choose_tiling(gate_up: bool, n_out: int, k: int, m_atoms: int) -> ExpertTili
     The skinny GEMM's H200-measured classes: up to 16 rows 128-wide chunks, beyond that
     64-wide ones and two row tiles per warp so the accumulators fit; 8 warps, 4 along K
     (fewer when K has fewer chunks, then more along N); warps_n shrinks until the CTAs tile the
-    output exactly, so no row bounds are needed inside the kernel. Not tuned on the GPU yet.
+    output exactly, so no row bounds are needed inside the kernel. One measured exception
+    (benchmarks/sweep_moe_tiling.py, H200, TP16): gate/up at M <= 8 puts all 8 warps along K over
+    64-wide chunks, one 16-row pair per warp: 14.5 µs at M = 1 and about 82 at M = 8 against
+    17.7 and 131 for the class above, whose 8 warps with 128-wide chunks were the slowest at M = 8.
     """
     small_m = m_atoms <= 2
-    chunk_atoms, x_atoms = (8, 4) if small_m else (4, 2)
+    chunk_atoms, x_atoms = (8, 4) if small_m and not (gate_up and m_atoms == 1) else (4, 2)
     if k % (16 * chunk_atoms):
         chunk_atoms, x_atoms = 4, 2
     row_tiles = 2 if gate_up or not small_m else 1
     chunks = k // (16 * chunk_atoms)
-    warps_k = max(1, min(4, chunks))
-    warps_n = 8 // warps_k
+    warps_k = max(1, min(8 if gate_up and m_atoms == 1 else 4, chunks))
+    warps_n = max(1, 8 // warps_k)
     while n_out % (16 * warps_n * (1 if gate_up else row_tiles)):
         warps_n //= 2
     if warps_n * warps_k < 2:  # keep >= 64 threads for the grouping scan
