@@ -40,6 +40,7 @@ from tools.fast_track.stale import stale_records  # noqa: E402
 LIMIT_BY_KIND = {"eval": 330, "decode-bench": 170, "sanitizer": 300}
 LIMIT_BY_FILE = {"executor_depth_parity.json": 450, "executor_long_runs.json": 400,
                  "executor_long_runs_rows64.json": 450, "executor_long_runs_mid.json": 450,
+                 "executor_long_runs_tp8.json": 450, "executor_long_runs_tp8_rows64.json": 520,
                  "pinned_routing_parity.json": 300}
 DEFAULT_LIMIT = 150
 # a record that says how long its run took (`wall_s`) is expected to take this much again, so a

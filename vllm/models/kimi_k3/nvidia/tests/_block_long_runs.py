@@ -1,7 +1,7 @@
 """Long runs of the executor on one AttnRes block of K3 with all 896 experts (#8, form a).
 
-One 12-layer block (K3's KDA/MLA pattern, latent MoE with 896 experts, TP16 rank-0 shard) at
-the buckets the decode records time. Each bucket first takes ANCHOR_STEPS steps (more where that
+One 12-layer block (K3's KDA/MLA pattern, latent MoE with 896 experts, the rank-0 shard of TP16
+or TP8) at the buckets the decode records time. Each bucket first takes ANCHOR_STEPS steps (more where that
 is under PARITY_MIN_TOKENS tokens: `parity_steps_at`) in lockstep against the eager standard path,
 judged as the decode records judge it (`parity_status`: within 1.5× the rounding-noise
 yardstick's error + 0.02, top-1 likewise); then the long run, the specialized path and the
@@ -12,10 +12,11 @@ is higher) to the last. Routing flips make the per-step error O(0.5) at any poin
 (benchmarks/decode_latency.py, PARITY_*), so the yardstick, not an absolute bound, says what is
 too far.
 
-Two test files run it (`long_run_tests`), each writing its own "parity" record, because a record
-must come from one whole run and one run must fit one call on a lent GPU: rows 64 alone replays
-three graphs of ~20-45 ms 2048 times (test_executor_long_runs_rows64.py), the other buckets
-together take about as long (test_executor_long_runs.py).
+Several test files run it (`long_run_tests`), each writing its own "parity" record, because a
+record must come from one whole run and one run must fit one call on a lent GPU: at TP16 rows 64
+alone replays three graphs of ~10-35 ms 2048 times (test_executor_long_runs_rows64.py), rows 1, 8
+and the q = 8 verify together take about as long (test_executor_long_runs.py), rows 2-32 are a
+third file (test_executor_long_runs_mid.py); TP8 has the first two (test_executor_long_runs_tp8*.py).
 """
 
 from __future__ import annotations
@@ -31,7 +32,6 @@ from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import RoundingNoi
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_parity
 from vllm.models.kimi_k3.nvidia.tests._util import VERDICT, long_run_max_len, long_run_vs_graphed
 
-TP = 16
 CONTEXT = 1000
 ANCHOR_STEPS = 8
 # what a long-run record measured: the executor and its kernels, the verdict, and this file
@@ -42,10 +42,10 @@ class BlockLongRuns:
     """The block and its three paths (specialized on the kernels, graphed standard, rounding-noise
     yardstick), built once for the buckets of `runs` ((rows, q) -> steps of the long run)."""
 
-    def __init__(self, runs: dict[tuple[int, int], int]):
-        self.runs = runs
+    def __init__(self, runs: dict[tuple[int, int], int], tp: int):
+        self.runs, self.tp = runs, tp
         self.max_len = long_run_max_len(CONTEXT, runs, ANCHOR_STEPS)
-        self.model = k3_block(TP)
+        self.model = k3_block(tp)
         kw = dict(max_requests=max(rows // q for rows, q in runs), max_len=self.max_len, buckets=list(runs))
         self.spec, self.graphed, self.noisy = (SpecializedDecode(self.model, ops=ops, **kw)
                                                for ops in (KernelOps(), TorchOps(), RoundingNoiseOps()))
@@ -69,16 +69,16 @@ class BlockLongRuns:
         del eager
         steps = self.runs[(rows, q)]
         runs, failed = long_run_vs_graphed(spec, self.noisy, self.graphed, slots, q, steps, gen)
-        result = {"name": f"12-layer K3 block (896 experts) TP{TP} rows{rows} q{q} ctx{CONTEXT}: {steps} steps vs "
+        result = {"name": f"12-layer K3 block (896 experts) TP{self.tp} rows{rows} q{q} ctx{CONTEXT}: {steps} steps vs "
                   "graphed standard", "status": "pass" if anchored and not failed else "fail", "failed": failed,
                   "anchor_vs_eager": anchor, **runs["specialized"], "long_run": runs}
         return result, anchored, failed
 
 
-def long_run_tests(runs: dict[tuple[int, int], int], record_file: str, test_file: str):
+def long_run_tests(runs: dict[tuple[int, int], int], record_file: str, test_file: str, tp: int = 16):
     """The fixtures and the test of one long-run test file, which binds them to module names so
-    pytest collects them: the block built once for `runs`, one test per bucket, and the record
-    `record_file` written from the whole run."""
+    pytest collects them: the block of `tp`'s rank-0 shard built once for `runs`, one test per
+    bucket, and the record `record_file` written from the whole run."""
     results: list[dict] = []
 
     @pytest.fixture(scope="module", autouse=True)
@@ -88,7 +88,7 @@ def long_run_tests(runs: dict[tuple[int, int], int], record_file: str, test_file
 
     @pytest.fixture(scope="module")
     def block():
-        return BlockLongRuns(runs)
+        return BlockLongRuns(runs, tp)
 
     @pytest.mark.gpu
     @pytest.mark.parametrize("rows, q", list(runs))
