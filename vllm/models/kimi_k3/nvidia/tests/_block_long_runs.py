@@ -30,7 +30,7 @@ from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import KernelOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import RoundingNoiseOps, TorchOps
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_parity
-from vllm.models.kimi_k3.nvidia.tests._util import VERDICT, long_run_max_len, long_run_vs_graphed
+from vllm.models.kimi_k3.nvidia.tests._util import VERDICT, free_all, long_run_max_len, long_run_vs_graphed
 
 CONTEXT = 1000
 ANCHOR_STEPS = 8
@@ -53,9 +53,7 @@ class BlockLongRuns:
     def run(self, rows: int, q: int) -> tuple[dict, bool, list[str]]:
         """One bucket: its result row, whether the anchor passed, and what the long run failed."""
         spec = self.spec
-        for r, used in enumerate(spec.state.in_use):  # the previous bucket's requests
-            if used:
-                spec.state.free(r)
+        free_all(spec.state)
         # parity_lockstep copies this state (slots included) into every other executor and the eager state
         slots = fill_state(spec.state, rows // q, CONTEXT, torch.Generator(device="cuda").manual_seed(rows * 10 + q))
         # parity_lockstep copies whole pools, so the eager state has the executors' shape

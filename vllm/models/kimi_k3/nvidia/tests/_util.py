@@ -174,6 +174,13 @@ VERDICT = "vllm/models/kimi_k3/nvidia/tests/_util.py"
 DRIFT_GROWTH = 3.0
 
 
+def free_all(state) -> None:
+    """Free every slot `state` holds: the previous bucket's requests, before the next is filled."""
+    for r, used in enumerate(state.in_use):
+        if used:
+            state.free(r)
+
+
 def long_run_max_len(context: int, runs: dict[tuple[int, int], int], anchor_steps: int) -> int:
     """Cache length for a long-run test: `context`, then per (rows, q) bucket its anchor (at
     least PARITY_MIN_TOKENS tokens, `parity_steps_at`) and its run of `runs[bucket]` steps."""

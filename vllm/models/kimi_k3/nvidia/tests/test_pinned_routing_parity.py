@@ -35,7 +35,7 @@ from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedD
 from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import RoundingNoiseOps, TorchOps
 from vllm.models.kimi_k3.nvidia.reference import moe as ref_moe
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_parity
-from vllm.models.kimi_k3.nvidia.tests._util import mini_model, rel_err
+from vllm.models.kimi_k3.nvidia.tests._util import free_all, mini_model, rel_err
 
 CONTEXT = 1000
 BUCKETS = {(1, 1): 64, (8, 1): 8, (8, 8): 8, (64, 1): 4}  # (rows, q) -> steps (64 tokens or more)
@@ -116,9 +116,7 @@ def pinned_parity(model, ops: dict[str, DecodeOps], buckets: dict[tuple[int, int
     out = []
     for (rows, q), steps in buckets.items():
         for ex in paths.values():
-            for r, used in enumerate(ex.state.in_use):
-                if used:
-                    ex.state.free(r)
+            free_all(ex.state)
         gen = torch.Generator(device=dev).manual_seed(seed + rows * 10 + q)
         spec = paths["specialized"]
         slots = fill_state(spec.state, rows // q, context, gen)
