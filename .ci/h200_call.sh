@@ -7,7 +7,8 @@
 #   refresh_stale        # every stale GPU record's command, as steps (.ci/h200_refresh.py)
 #
 # Needs, from the CPU side: `.devwheels/` carried (`bash ../shared/device/cutedsl_wheels.sh`,
-# plus a cp312 coverage wheel dropped there for record_coverage), and K3_COMMIT set to the
+# plus a cp312 coverage wheel dropped there for record_coverage, and `bash .ci/carry_xgrammar.sh`
+# for the structured-output test), and K3_COMMIT set to the
 # checked-out commit (a `.git` in the device copy may name another). GPU tests write their
 # records into $W/ev (K3_EVIDENCE_DIR); benchmarks take `--out $W/ev`. On exit $W is packed into
 # $OUT/results.tgz: the tool returns only a few files, so one archive holds every record and log.
@@ -23,7 +24,8 @@ fi
 export FAST_TRACK_COMMIT=${FAST_TRACK_COMMIT:-$K3_COMMIT}
 python3 -c "import tarfile, glob; tarfile.open(glob.glob('.devwheels/cutedsl-*.tar.xz')[0]).extractall('/tmp/site', filter='tar')" ||
   { echo "h200_call: no .devwheels/cutedsl-*.tar.xz: carry .devwheels (../shared/device/cutedsl_wheels.sh)"; exit 2; }
-python3 -c "import zipfile, glob; [zipfile.ZipFile(w).extractall('/tmp/site') for w in glob.glob('.devwheels/coverage-*.whl')]"
+# the rest of what is carried: a coverage wheel (record_coverage) and xgrammar (.ci/carry_xgrammar.sh)
+python3 -c "import zipfile, tarfile, glob; [zipfile.ZipFile(w).extractall('/tmp/site') for w in glob.glob('.devwheels/coverage-*.whl')]; [tarfile.open(t).extractall('/tmp/site', filter='tar') for t in glob.glob('.devwheels/xgrammar-*.tar.xz')]"
 export PYTHONPATH=/tmp/site/nvidia_cutlass_dsl/dsl_packages:/tmp/site:$PWD PYTHONUNBUFFERED=1
 W=$OUT/w
 export W K3_EVIDENCE_DIR=$W/ev
