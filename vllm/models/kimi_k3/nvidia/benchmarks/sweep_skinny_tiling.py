@@ -1,0 +1,157 @@
+"""Tiling sweep of the skinny GEMM (kernels/skinny_gemm.py) on the GPU, shape by shape.
+
+`choose_tiling` picks by class of shape from measurements of 2026-12-03, and at TP16 the large
+projections at M = 1 still read only 0.56–0.76 of the copy bandwidth (`skinny_gemm_bench.json`).
+This times the launchable tilings of each K3 per-rank shape beside the pick, so that the
+heuristic can follow measurements:
+
+    python -m vllm.models.kimi_k3.nvidia.benchmarks.sweep_skinny_tiling --out $OUT/skinny_tiling_sweep.json
+
+Two stages per (shape, M), since the split count mostly trades against the CTA shape: first
+every CTA shape (row tiles, chunk width, warps along N and K) at the split count that fills the
+resident CTAs, then the best few of those at every other split count worth a try. Each candidate
+runs through `bench_skinny_gemm.bench_case` (cold L2, CUDA graph of back-to-back launches, NaN-
+filled output checked against the fp32 reference), so its time is comparable with the bench
+record. A tuning tool, not evidence: it writes no record. `--budget-s` stops early and says what
+it skipped; cases run largest weights first, since those carry most of a step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+
+import torch
+
+from ..kernels.skinny_gemm import MAX_ROWS, Tiling, choose_tiling
+from .bench_skinny_gemm import ShapeInputs, bench_case, copy_bandwidth_TBps, unique_shapes
+
+REGS_PER_SM = 65536
+SHAPES_OF_CTA = ((1, 4), (2, 2), (4, 1), (1, 8), (2, 4), (4, 2), (8, 1), (1, 16), (2, 8), (4, 4))
+FINALISTS = 3  # CTA shapes of stage one whose split counts stage two varies
+
+
+def fits(t: Tiling, k: int, m_atoms: int) -> bool:
+    """Launchable and worth timing: every warp along K has a chunk in each split, and a lane's
+    double-buffered W chunk leaves 64 of the registers a thread of this CTA size may have for the
+    rest (less spills, which only shows as slow). The warps_k reduction buffer then stays under
+    150 KB of shared memory for every candidate (16 warps along K of 32 rows, at 64 rows of x)."""
+    chunks = -(-k // t.chunk_k)
+    threads = 32 * t.warps_n * t.warps_k
+    w_regs = 8 * t.chunk_atoms * t.row_tiles
+    return t.warps_k * t.splits <= chunks and w_regs <= min(255, REGS_PER_SM // threads) - 64
+
+
+def filling_split(t: Tiling, n: int, k: int, sm_count: int, per_sm: int) -> int:
+    """The split count that puts `per_sm` CTAs on each SM, rounded down (never a second, mostly
+    empty wave), at least 1 and at most one chunk per warp along K."""
+    chunks = -(-k // t.chunk_k)
+    return max(1, min(per_sm * sm_count // t.tiles_n(n), chunks // t.warps_k))
+
+
+def _with_splits(t: Tiling, splits: int) -> Tiling:
+    return Tiling(t.row_tiles, t.chunk_atoms, t.x_atoms, t.warps_n, t.warps_k, splits)
+
+
+def cta_shapes(n: int, k: int, m_atoms: int, sm_count: int) -> list[Tiling]:
+    """Stage one: every CTA shape that fits, each at the split count filling 2 CTAs per SM."""
+    out = []
+    for row_tiles in (1, 2):
+        for chunk_atoms, x_atoms in ((4, 2), (8, 4), (16, 4)):
+            for warps_n, warps_k in SHAPES_OF_CTA:
+                base = Tiling(row_tiles, chunk_atoms, x_atoms, warps_n, warps_k, 1)
+                t = _with_splits(base, filling_split(base, n, k, sm_count, 2))
+                if fits(t, k, m_atoms):
+                    out.append(t)
+    return out
+
+
+def split_variants(t: Tiling, n: int, k: int, m_atoms: int, sm_count: int) -> list[Tiling]:
+    """Stage two: the same CTA shape unsplit and at the split counts filling 1 and 4 CTAs per SM."""
+    counts = {1, *(filling_split(t, n, k, sm_count, per_sm) for per_sm in (1, 4))}
+    return [v for v in (_with_splits(t, s) for s in sorted(counts)) if v != t and fits(v, k, m_atoms)]
+
+
+def sweep_case(inp: ShapeInputs, m: int, copy_bw: float, sm_count: int, deadline: float) -> dict:
+    shape, m_atoms = inp.shape, -(-m // 8)
+    pick = choose_tiling(shape.n, shape.k, m_atoms, sm_count)
+    rows: dict[Tiling, dict] = {}
+
+    def run(t: Tiling) -> None:
+        if t in rows:
+            return
+        if time.monotonic() > deadline:
+            rows[t] = {"tiling": asdict(t), "skipped": "budget"}
+            return
+        r = bench_case(inp, m, copy_bw, tiling=t, baseline=False)
+        rows[t] = {"tiling": asdict(t), "time_us": r["time_us"], "frac_of_copy_bw": r["frac_of_copy_bw"],
+                   "rel_err": r["rel_err"], "ok": r["status"] == "pass"}
+
+    run(pick)
+    for t in cta_shapes(shape.n, shape.k, m_atoms, sm_count):
+        run(t)
+    ranked = sorted((t for t, r in rows.items() if r.get("ok")), key=lambda t: rows[t]["time_us"])
+    for t in ranked[:FINALISTS]:
+        for v in split_variants(t, shape.n, shape.k, m_atoms, sm_count):
+            run(v)
+    timed = [r for r in rows.values() if r.get("ok")]
+    best = min(timed, key=lambda r: r["time_us"]) if timed else None
+    return {"shape": shape.name, "n": shape.n, "k": shape.k, "m": m, "pick": rows[pick], "best": best,
+            "failed": [r for r in rows.values() if r.get("ok") is False], "candidates": list(rows.values())}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tps", type=int, nargs="+", default=[16])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--only", nargs="*", default=None, help="shape names (e.g. kda_in_proj@tp16)")
+    ap.add_argument("--budget-s", type=float, default=420.0, help="stop timing new candidates after this")
+    ap.add_argument("--out", help="JSON file for every candidate's time")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device: the sweep times kernels")
+    if not all(1 <= m <= MAX_ROWS for m in args.rows):
+        ap.error(f"--rows must lie in 1..{MAX_ROWS}, got {args.rows}")
+    deadline = time.monotonic() + args.budget_s
+    torch.backends.cuda.matmul.allow_tf32 = False
+    copy_bw = copy_bandwidth_TBps()
+    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = sorted((s for s in unique_shapes(tuple(args.tps)) if args.only is None or s.name in args.only),
+                    key=lambda s: -s.weight_bytes)
+    if args.only is not None and not shapes:
+        ap.error(f"--only matched no shape of TP {args.tps}: names look like kda_in_proj@tp16")
+    results = []
+    for s in shapes:
+        inp = ShapeInputs(s)
+        for m in args.rows:
+            r = sweep_case(inp, m, copy_bw, sm_count, deadline)
+            results.append(r)
+            pick, best = r["pick"], r["best"]
+            print(f"{s.name:22s} M={m:<3d} pick {pick.get('time_us', float('nan')):7.2f} us  "
+                  f"best {best['time_us'] if best else float('nan'):7.2f} us {best['tiling'] if best else '-'}  "
+                  f"({len(r['candidates'])} timed or skipped, {len(r['failed'])} failed)", flush=True)
+        del inp
+        torch.cuda.empty_cache()
+    skipped = sum(1 for r in results for c in r["candidates"] if c.get("skipped"))
+    if skipped:
+        print(f"{skipped} candidates skipped: the {args.budget_s:.0f} s budget ran out (--budget-s)")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"gpu": torch.cuda.get_device_name(), "copy_bandwidth_TBps": copy_bw, "results": results},
+                      f, indent=1)
+    print(f"{'shape':22s} {'M':>3s} {'pick us':>8s} {'best us':>8s} {'gain':>5s} {'best %bw':>8s}  best tiling")
+    for r in results:
+        pick, best = r["pick"].get("time_us"), r["best"]
+        if pick is None or best is None:
+            continue
+        t = best["tiling"]
+        print(f"{r['shape']:22s} {r['m']:3d} {pick:8.2f} {best['time_us']:8.2f} {pick / best['time_us']:5.2f} "
+              f"{100 * best['frac_of_copy_bw']:8.0f}  R{t['row_tiles']} A{t['chunk_atoms']} "
+              f"{t['warps_n']}x{t['warps_k']} s{t['splits']}")
+    return 1 if any(r["failed"] for r in results) else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""benchmarks/sweep_skinny_tiling.py on the CPU: its candidates are launchable tilings of every K3
+per-rank shape, a candidate other than the pick compiles for sm_90a, and the two-stage sweep
+(with the timing stood in for) finds the fastest correct tiling, reports the failing ones and
+stops at its budget (the sweep itself needs the GPU)."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install nvidia-cutlass-dsl==4.8.1)")
+
+from vllm.models.kimi_k3.nvidia.benchmarks import sweep_skinny_tiling as sweep  # noqa: E402
+from vllm.models.kimi_k3.nvidia.kernels import skinny_gemm  # noqa: E402
+from vllm.models.kimi_k3.nvidia.kernels.shapes import GemmShape, k3_gemm_shapes  # noqa: E402
+
+SMS = 132  # the H200's
+
+
+@pytest.mark.parametrize("tp", [16, 8, 1])
+def test_candidates_fit_and_offer_alternatives(tp):
+    for shape in k3_gemm_shapes((tp,)):
+        for m_atoms in (1, 2, 8):
+            stage_one = sweep.cta_shapes(shape.n, shape.k, m_atoms, SMS)
+            assert len(stage_one) == len(set(stage_one)) > 1, (shape.name, m_atoms)
+            for t in stage_one:
+                assert sweep.fits(t, shape.k, m_atoms), (shape.name, t)
+                assert t.warps_k * t.splits <= -(-shape.k // t.chunk_k)
+                assert t.warps_k * 8 * m_atoms * (t.block_n + 4) * 4 < 150 * 1024  # the reduction's smem
+                for v in sweep.split_variants(t, shape.n, shape.k, m_atoms, SMS):
+                    assert sweep.fits(v, shape.k, m_atoms) and v != t
+                    assert (v.row_tiles, v.chunk_atoms, v.warps_n, v.warps_k) == \
+                        (t.row_tiles, t.chunk_atoms, t.warps_n, t.warps_k)
+
+
+def test_fits_rejects_what_cannot_run_well():
+    k = 7168
+    assert not sweep.fits(skinny_gemm.Tiling(2, 16, 4, 2, 4, 1), k, 1)  # 256 W registers a lane
+    assert not sweep.fits(skinny_gemm.Tiling(1, 16, 4, 2, 8, 1), k, 1)  # 16 warps: 64 of 128 at most
+    assert not sweep.fits(skinny_gemm.Tiling(1, 8, 4, 1, 8, 8), k, 1)  # 64 warps×splits > 56 chunks
+    assert sweep.fits(skinny_gemm.Tiling(1, 16, 4, 1, 8, 2), k, 1)  # 128 W registers of 255
+    assert sweep.fits(skinny_gemm.Tiling(1, 8, 4, 2, 4, 2), k, 1)
+
+
+def test_a_candidate_other_than_the_pick_compiles(tmp_path):
+    n, k = 3216, 7168  # kda_in_proj@tp16
+    pick = skinny_gemm.choose_tiling(n, k, 1, SMS)
+    other = next(t for t in sweep.cta_shapes(n, k, 1, SMS) if t.chunk_atoms == 16 and t != pick)
+    ptx = skinny_gemm.compile_skinny_gemm(n, k, 1, torch.bfloat16, other, "sm_90a",
+                                          ptx_dir=str(tmp_path)).artifacts.PTX
+    assert "mma.sync.aligned.m16n8k16" in ptx
+
+
+def _fake_bench(broken: skinny_gemm.Tiling | None):
+    """A stand-in for bench_case: time falls with splits and wider chunks; one tiling is wrong."""
+    def bench_case(inp, m, copy_bw, tiling, baseline):
+        assert baseline is False
+        t_us = 20.0 / tiling.splits + 8.0 / tiling.chunk_atoms + tiling.row_tiles
+        return {"time_us": t_us, "frac_of_copy_bw": 10.0 / t_us, "rel_err": 0.5 if tiling == broken else 1e-3,
+                "status": "fail" if tiling == broken else "pass"}
+    return bench_case
+
+
+def test_the_sweep_finds_the_fastest_correct_tiling_and_reports_failures(monkeypatch):
+    shape = GemmShape("kda_in_proj@tp16", 16, 3216, 7168)
+    pick = skinny_gemm.choose_tiling(shape.n, shape.k, 1, SMS)
+    stage_one = sweep.cta_shapes(shape.n, shape.k, 1, SMS)
+    fake = _fake_bench(None)
+    fastest = min(stage_one, key=lambda t: fake(None, 1, 0, t, False)["time_us"])
+    monkeypatch.setattr(sweep, "bench_case", _fake_bench(fastest))
+    r = sweep.sweep_case(SimpleNamespace(shape=shape), 1, 4.2, SMS, time.monotonic() + 60)
+    assert r["pick"]["tiling"] == sweep.asdict(pick) and r["pick"]["ok"]
+    assert [f["tiling"] for f in r["failed"]] == [sweep.asdict(fastest)]
+    timed = [c for c in r["candidates"] if c.get("ok")]
+    assert r["best"]["time_us"] == min(c["time_us"] for c in timed)
+    assert r["best"]["tiling"] != sweep.asdict(fastest)
+    # stage two varied the split count of the finalists: some candidate is not a stage-one shape
+    assert any(skinny_gemm.Tiling(**c["tiling"]) not in stage_one + [pick] for c in r["candidates"])
+
+
+def test_the_sweep_stops_at_its_budget(monkeypatch):
+    shape = GemmShape("kda_in_proj@tp16", 16, 3216, 7168)
+    monkeypatch.setattr(sweep, "bench_case", _fake_bench(None))
+    r = sweep.sweep_case(SimpleNamespace(shape=shape), 1, 4.2, SMS, time.monotonic() - 1)
+    assert r["best"] is None and all(c.get("skipped") == "budget" for c in r["candidates"])
