@@ -18,7 +18,6 @@ seconds each, so `--budget-s` stops early and says what it skipped.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import asdict
 
@@ -34,6 +33,7 @@ from ..latency_specialized.config import PRESETS
 from ..reference.dense_mlp import activation_clips
 from .bench_moe import expert_weights, uniform_routing
 from .bench_skinny_gemm import time_graph
+from .sweeps import finish
 
 K3 = PRESETS["k3"]
 ROUTING_SETS = 16
@@ -135,12 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{best['tiling'] if best else '-'}  ({len(r['candidates'])} candidates)", flush=True)
         del w13, w2
         torch.cuda.empty_cache()
-    skipped = sum(1 for r in results for c in r["candidates"] if c.get("skipped"))
-    if skipped:
-        print(f"{skipped} candidates skipped: the {args.budget_s:.0f} s budget ran out (--budget-s)")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "results": results}, f, indent=1)
+    finish(results, args.budget_s, args.out)
     return 0
 
 

@@ -19,7 +19,6 @@ it skipped; cases run largest weights first, since those carry most of a step.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import asdict
 
@@ -27,6 +26,7 @@ import torch
 
 from ..kernels.skinny_gemm import MAX_ROWS, Tiling, choose_tiling
 from .bench_skinny_gemm import ShapeInputs, bench_case, copy_bandwidth_TBps, unique_shapes
+from .sweeps import finish
 
 REGS_PER_SM = 65536
 SHAPES_OF_CTA = ((1, 4), (2, 2), (4, 1), (1, 8), (2, 4), (4, 2), (8, 1), (1, 16), (2, 8), (4, 4))
@@ -134,13 +134,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"({len(r['candidates'])} timed or skipped, {len(r['failed'])} failed)", flush=True)
         del inp
         torch.cuda.empty_cache()
-    skipped = sum(1 for r in results for c in r["candidates"] if c.get("skipped"))
-    if skipped:
-        print(f"{skipped} candidates skipped: the {args.budget_s:.0f} s budget ran out (--budget-s)")
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "copy_bandwidth_TBps": copy_bw, "results": results},
-                      f, indent=1)
+    finish(results, args.budget_s, args.out, copy_bandwidth_TBps=copy_bw)
     print(f"{'shape':22s} {'M':>3s} {'pick us':>8s} {'best us':>8s} {'gain':>5s} {'best %bw':>8s}  best tiling")
     for r in results:
         pick, best = r["pick"].get("time_us"), r["best"]
