@@ -42,14 +42,32 @@ def commit(root: Path) -> str:
         return fallback
 
 
-def record_head(root: Path, kind: str, family: str, command: str,
-                sources: list[str]) -> dict[str, Any]:
-    missing = [s for s in sources if not (root / s).is_file()]
+def expand_sources(root: Path, sources: list[str]) -> list[str]:
+    """Repository-relative files, a folder standing for every `.py` file below it (so a record of
+    tests that run a whole package, e.g. the kernels, goes stale with any file of it)."""
+    files: set[str] = set()
+    missing = []
+    for s in sources:
+        path = root / s
+        if path.is_dir():
+            found = [p.relative_to(root).as_posix() for p in path.rglob("*.py") if "__pycache__" not in p.parts]
+            if not found:
+                missing.append(f"{s} (a folder with no .py file)")
+            files.update(found)
+        elif path.is_file():
+            files.add(Path(s).as_posix())
+        else:
+            missing.append(s)
     if missing:
         raise ValueError(f"sources not found under {root}: {missing}; pass repository-relative "
-                         "paths of files that exist")
+                         "paths of files (or folders of .py files) that exist")
+    return sorted(files)
+
+
+def record_head(root: Path, kind: str, family: str, command: str,
+                sources: list[str]) -> dict[str, Any]:
+    sources = expand_sources(root, sources)
     gpu, cc, driver = gpu_facts()
-    sources = sorted(sources)
     return {"kind": kind, "family": family, "command": command, "gpu": gpu,
             "compute_capability": cc, "driver": driver, "commit": commit(root),
             "sources": sources, "source_hash": source_hash(root, sources),

@@ -98,3 +98,25 @@ def test_record_tests_refuses_a_command_that_is_not_pytest(repo, monkeypatch, ca
     monkeypatch.chdir(repo.root)
     assert main(["record-tests", "--out", PARITY, "--family", "f", "--source", KERNEL, "--", "true"]) == 2
     assert "must run pytest" in capsys.readouterr().err
+
+
+def test_a_source_folder_stands_for_every_python_file_below_it(repo, monkeypatch, capsys):
+    monkeypatch.chdir(repo.root)
+    folder = KERNEL.rsplit("/", 1)[0]
+    repo.write(f"{folder}/nested/mul.py", "def mul(a, b):\n    return a * b\n")
+    repo.write(f"{folder}/README.md", "not code\n")
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{FEATURE_TEST}::test_sampling_same_on_both_paths"]
+    assert main(["record-tests", "--out", PARITY, "--family", "features", "--source", folder, "--", *cmd]) == 0
+    record = json.loads((repo.root / PARITY).read_text())
+    assert {KERNEL, f"{folder}/nested/mul.py"} <= set(record["sources"])
+    assert all(src.startswith(folder + "/") and src.endswith(".py") for src in record["sources"])
+    assert len(record["sources"]) == sum(1 for _ in (repo.root / folder).rglob("*.py"))  # README.md left out
+    assert set(record["source_hashes"]) == set(record["sources"])
+    assert _features(repo).status == PASS
+    # a change to any file of the folder stales the record
+    (repo.root / folder / "nested" / "mul.py").write_text("def mul(a, b):\n    return b * a\n")
+    assert "passed only in stale evidence" in _features(repo).findings[0].message
+    repo.write(f"{MODEL}/empty/notes.md", "nothing to run\n")
+    capsys.readouterr()
+    assert main(["record-tests", "--out", PARITY, "--family", "f", "--source", f"{MODEL}/empty", "--", *cmd]) == 2
+    assert "a folder with no .py file" in capsys.readouterr().err
