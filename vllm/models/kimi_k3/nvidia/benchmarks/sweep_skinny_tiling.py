@@ -1,7 +1,8 @@
 """Tiling sweep of the skinny GEMM (kernels/skinny_gemm.py) on the GPU, shape by shape.
 
-`choose_tiling` picks by class of shape from measurements of 2026-12-03, and at TP16 the large
-projections at M = 1 still read only 0.56–0.76 of the copy bandwidth (`skinny_gemm_bench.json`).
+`choose_tiling` picks by class of shape from measurements of 2026-12-03, and at TP16 the
+projections of 30 MB and more read only 0.63–0.83 of the copy bandwidth at M = 1 and 0.56–0.75
+at M = 8 (`skinny_gemm_bench.json`).
 This times the launchable tilings of each K3 per-rank shape beside the pick, so that the
 heuristic can follow measurements:
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
 import torch
 
@@ -36,7 +37,7 @@ FINALISTS = 3  # CTA shapes of stage one whose split counts stage two varies
 def fits(t: Tiling, k: int, m_atoms: int) -> bool:
     """Launchable and worth timing: every warp along K has a chunk in each split, and a lane's
     double-buffered W chunk leaves 64 of the registers a thread of this CTA size may have for the
-    rest (less spills, which only shows as slow). The warps_k reduction buffer then stays under
+    rest (with fewer it would spill, which only shows as slow). The warps_k reduction buffer then stays under
     150 KB of shared memory for every candidate (16 warps along K of 32 rows, at 64 rows of x)."""
     chunks = -(-k // t.chunk_k)
     threads = 32 * t.warps_n * t.warps_k
@@ -51,10 +52,6 @@ def filling_split(t: Tiling, n: int, k: int, sm_count: int, per_sm: int) -> int:
     return max(1, min(per_sm * sm_count // t.tiles_n(n), chunks // t.warps_k))
 
 
-def _with_splits(t: Tiling, splits: int) -> Tiling:
-    return Tiling(t.row_tiles, t.chunk_atoms, t.x_atoms, t.warps_n, t.warps_k, splits)
-
-
 def cta_shapes(n: int, k: int, m_atoms: int, sm_count: int) -> list[Tiling]:
     """Stage one: every CTA shape that fits, each at the split count filling 2 CTAs per SM."""
     out = []
@@ -62,7 +59,7 @@ def cta_shapes(n: int, k: int, m_atoms: int, sm_count: int) -> list[Tiling]:
         for chunk_atoms, x_atoms in ((4, 2), (8, 4), (16, 4)):
             for warps_n, warps_k in SHAPES_OF_CTA:
                 base = Tiling(row_tiles, chunk_atoms, x_atoms, warps_n, warps_k, 1)
-                t = _with_splits(base, filling_split(base, n, k, sm_count, 2))
+                t = replace(base, splits=filling_split(base, n, k, sm_count, 2))
                 if fits(t, k, m_atoms):
                     out.append(t)
     return out
@@ -71,7 +68,7 @@ def cta_shapes(n: int, k: int, m_atoms: int, sm_count: int) -> list[Tiling]:
 def split_variants(t: Tiling, n: int, k: int, m_atoms: int, sm_count: int) -> list[Tiling]:
     """Stage two: the same CTA shape unsplit and at the split counts filling 1 and 4 CTAs per SM."""
     counts = {1, *(filling_split(t, n, k, sm_count, per_sm) for per_sm in (1, 4))}
-    return [v for v in (_with_splits(t, s) for s in sorted(counts)) if v != t and fits(v, k, m_atoms)]
+    return [v for v in (replace(t, splits=s) for s in sorted(counts)) if v != t and fits(v, k, m_atoms)]
 
 
 def sweep_case(inp: ShapeInputs, m: int, copy_bw: float, sm_count: int, deadline: float) -> dict:
