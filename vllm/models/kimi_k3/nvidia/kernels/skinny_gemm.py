@@ -1,13 +1,19 @@
 """Skinny GEMM for decode: y[M, N] = x[M, K] · Wᵀ, M = 1..64, BF16 in, FP32 accumulation.
 
 Math: `reference/ops.py::linear` (fp32 sums of bf16 products, one rounding to the output dtype;
-the order of the sum differs, so results agree to fp32 rounding, not bitwise).
+the order of the sum differs, so results agree to fp32 rounding, not bitwise). With an
+epilogue the product is rounded to bf16 first, as the reference rounds `linear`'s output, then
+    scale:  y = f32(bf16(x·Wᵀ)) · s                       (the logit scale, FP32 out)
+    add:    y = bf16(f32(bf16(x·Wᵀ)) + f32(a))            (`reference/ops.py::bf16_add`)
+    gate:   y = bf16(f32(bf16(x·Wᵀ)) · σ(f32(g)))         (MLA's output gate)
+and per head (batch B): y[:, h] = x[:, h] · W[h]ᵀ, W `[B, N, K]` (MLA's (un)absorption).
 
-Envelope: x `[M, K]` and W `[N, K]` BF16, both contiguous (row-major), 16-byte aligned, on one
-CUDA device; 1 <= M <= 64, K % 8 == 0, N % 16 == 0; output BF16 or FP32 (the MoE router's
-logits), contiguous `[M, N]`. Runs on sm_90 (checked on the H200) and compiles for sm_90a,
-sm_100a and sm_103a: only warp-level `mma.sync` and plain vector loads, nothing arch-specific.
-Fuses nothing beyond the matmul itself.
+Envelope: x `[M, K]` or `[M, B, K]`, y (and a, g) `[M, N]` or `[M, B, N]` BF16 (y also FP32: the
+MoE router's logits), each with unit stride along its last axis and its other strides multiples
+of 8 elements (rows of a wider tensor are fine: no copy), W `[N, K]` or `[B, N, K]` contiguous,
+all 16-byte aligned on one CUDA device; 1 <= M <= 64, K % 8 == 0, N % 16 == 0. Runs on sm_90
+(checked on the H200) and compiles for sm_90a, sm_100a and sm_103a: only warp-level `mma.sync`
+and plain vector loads, nothing arch-specific. Fuses the epilogues above into the store.
 
 Design (decode is memory-bound: read every weight byte once, at HBM speed):
 - W is the MMA's A operand (16 weight rows per m16n8k16 atom) and x the B operand (8 token rows
@@ -27,8 +33,9 @@ Design (decode is memory-bound: read every weight byte once, at HBM speed):
   all. Launches of one shape share that workspace, so they must be stream-ordered.
 
 The host `launch` checks the envelope before it touches the GPU, compiles once per
-(N, K, ceil(M/8), output dtype, arch, tiling), then only launches, on an explicit stream, so a
-launch can be captured in a CUDA graph once its shape has run one time outside the capture.
+(N, K, ceil(M/8), output dtype, arch, tiling, `Operands`), then only launches, on an explicit
+stream, so a launch can be captured in a CUDA graph once its shape has run one time outside the
+capture.
 """
 
 from __future__ import annotations
@@ -47,6 +54,7 @@ from .device import DeviceFacts, facts
 
 MAX_ROWS = 64
 _OUT_DTYPES = {torch.bfloat16: BFloat16, torch.float32: Float32}
+EPILOGUES = ("none", "scale", "add", "gate")
 
 
 class SkinnyGemmEnvelopeError(ValueError):
@@ -82,7 +90,26 @@ class Tiling:
         return -(-n // self.block_n)
 
 
-def choose_tiling(n: int, k: int, m_atoms: int, sm_count: int) -> Tiling:
+@dataclass(frozen=True)
+class Operands:
+    """How x, y and the epilogue operand lie in memory, and the epilogue (all compile-time).
+
+    Strides are in elements, (per head, per row); the last axis has unit stride. W is always
+    `[heads, N, K]` contiguous."""
+
+    heads: int
+    x_strides: tuple[int, int]
+    y_strides: tuple[int, int]
+    epilogue: str = "none"
+    e_strides: tuple[int, int] = (0, 0)  # the addend's or the gate's
+
+    @staticmethod
+    def plain(n: int, k: int) -> Operands:
+        """Contiguous x [M, K] and y [M, N], no epilogue."""
+        return Operands(1, (0, k), (0, n))
+
+
+def choose_tiling(n: int, k: int, m_atoms: int, sm_count: int, heads: int = 1) -> Tiling:
     """The tiling measured best on the H200 for each class of K3 shape (kernels/README.md).
 
     M <= 16: one 16-row tile and 128-wide chunks per warp; larger M: two tiles per warp, so each
@@ -90,7 +117,8 @@ def choose_tiling(n: int, k: int, m_atoms: int, sm_count: int) -> Tiling:
     2 along N × 4 along K, or 1 × 8 where N alone fills the resident CTAs and that fills their
     last wave better; with fewer than 4 chunks, one warp per chunk along K. K splits across
     CTAs up to the resident CTAs, rounded down (a second, mostly empty wave cost kda_in_proj@tp16
-    at M = 1 20.8 against 16.1 µs), keeping at least one chunk per warp.
+    at M = 1 20.8 against 16.1 µs), keeping at least one chunk per warp. Heads multiply the
+    CTAs along N (a grid axis of their own).
     """
     small_m = m_atoms <= 2
     row_tiles, chunk_atoms, x_atoms = (1, 8, 4) if small_m else (2, 4, 2)
@@ -103,33 +131,33 @@ def choose_tiling(n: int, k: int, m_atoms: int, sm_count: int) -> Tiling:
         return ctas / (-(-ctas // resident) * resident)
 
     warps_n, warps_k = 2, 4
-    wide, narrow = -(-n // (16 * row_tiles)), -(-n // (32 * row_tiles))
+    wide, narrow = heads * -(-n // (16 * row_tiles)), heads * -(-n // (32 * row_tiles))
     if narrow >= resident and last_wave_fill(wide) > last_wave_fill(narrow) + 0.05:
         warps_n, warps_k = 1, 8
     if chunks < warps_k:
         warps_n, warps_k = max(1, 8 // chunks), chunks
-    tiles_n = -(-n // (16 * row_tiles * warps_n))
+    tiles_n = heads * -(-n // (16 * row_tiles * warps_n))
     splits = max(1, min(resident // tiles_n, chunks // warps_k))
     return Tiling(row_tiles, chunk_atoms, x_atoms, warps_n, warps_k, splits)
 
 
 @cute.jit
-def _load_chunk(src_vec: cute.Tensor, dst: cute.Tensor, first_row: Int32, rows: Constexpr,
+def _load_chunk(src_vec: cute.Tensor, dst: cute.Tensor, head: Int32, first_row: Int32, rows: Constexpr,
                 row_limit: Int32, col0: Int32, vecs: Constexpr, k: Constexpr, k_tail: Constexpr):
-    """`rows` rows (first_row + 8i, clamped below row_limit: those rows' outputs are never
-    stored) × `vecs` 16-byte vectors from column vector col0 on, into registers one row after the
-    other; vectors past K are zeros."""
+    """`rows` rows of head `head` (first_row + 8i, clamped below row_limit: those rows' outputs are
+    never stored) × `vecs` 16-byte vectors from column vector col0 on, into registers one row after
+    the other; vectors past K are zeros."""
     for i in cutlass.range_constexpr(rows):
         row = cutlass.min(first_row + 8 * i, row_limit - 1)
         for v in cutlass.range_constexpr(vecs):
             vec = cute.make_tensor(dst.iterator + (i * vecs + v) * 8, cute.make_layout(8))
             if const_expr(k_tail):
                 if col0 + v < k // 8:
-                    cute.autovec_copy(src_vec[(0, None), (row, col0 + v)], vec)
+                    cute.autovec_copy(src_vec[(0, 0, None), (head, row, col0 + v)], vec)
                 else:
                     vec.fill(0.0)
             else:
-                cute.autovec_copy(src_vec[(0, None), (row, col0 + v)], vec)
+                cute.autovec_copy(src_vec[(0, 0, None), (head, row, col0 + v)], vec)
 
 
 def mma_registers(lane_elems: int, w_rows: int, x_elems: int, row_tiles: int, m_atoms: int) -> tuple:
@@ -157,16 +185,33 @@ def mma_step(mma: Any, acc: cute.Tensor, w_cur: cute.Tensor, x_frag: cute.Tensor
     cute.gemm(mma, acc, a, b, acc)
 
 
+@cute.jit
+def _store(y: cute.Tensor, e: cute.Tensor, head: Int32, row: Int32, col: Int32, total: Float32, scale: Float32,
+           epilogue: Constexpr):
+    """y[head, row, col] from the fp32 sum, through the epilogue (module docstring)."""
+    if const_expr(epilogue == "none"):
+        y[head, row, col] = total.to(y.element_type)
+    else:
+        val = total.to(BFloat16).to(Float32)
+        if const_expr(epilogue == "scale"):
+            val = val * scale
+        if const_expr(epilogue == "add"):
+            val = val + e[head, row, col].to(Float32)
+        if const_expr(epilogue == "gate"):
+            val = val * (Float32(1.0) / (Float32(1.0) + cute.math.exp(-e[head, row, col].to(Float32))))
+        y[head, row, col] = val.to(y.element_type)
+
+
 @cute.kernel
 def _skinny_gemm_kernel(
-    w_ptr: cute.Pointer, x_ptr: cute.Pointer, y_ptr: cute.Pointer, ws_ptr: cute.Pointer,
-    cnt_ptr: cute.Pointer, m: Int32,
+    w_ptr: cute.Pointer, x_ptr: cute.Pointer, y_ptr: cute.Pointer, e_ptr: cute.Pointer, ws_ptr: cute.Pointer,
+    cnt_ptr: cute.Pointer, m: Int32, scale: Float32,
     n: Constexpr, k: Constexpr, m_atoms: Constexpr,
     row_tiles: Constexpr, chunk_atoms: Constexpr, x_atoms: Constexpr,
-    warps_n: Constexpr, warps_k: Constexpr, splits: Constexpr,
+    warps_n: Constexpr, warps_k: Constexpr, splits: Constexpr, ops: Constexpr,
 ):
     tid, _, _ = cute.arch.thread_idx()
-    tile, split, _ = cute.arch.block_idx()
+    tile, split, head = cute.arch.block_idx()
     lane = tid % 32
     warp = tid // 32
     wn = warp % warps_n
@@ -175,6 +220,7 @@ def _skinny_gemm_kernel(
     c = lane % 4  # which 4·A-element block of each chunk row the lane owns
     threads = 32 * warps_n * warps_k
     block_n = 16 * row_tiles * warps_n
+    tiles_n = (n + block_n - 1) // block_n
     w_rows = 2 * row_tiles  # W rows of a lane: g and g+8 of each of its tiles, 8 apart
     lane_elems = 4 * chunk_atoms  # per W row and chunk, contiguous in memory
     x_elems = 4 * x_atoms  # per token row and MMA step
@@ -182,10 +228,14 @@ def _skinny_gemm_kernel(
     k_tail = k % chunk_k != 0
     n_chunks = (k + chunk_k - 1) // chunk_k
     per_split = (n_chunks + splits - 1) // splits
+    heads = ops.heads
 
-    # 16-byte vectors along K: ((1, 8), (rows, K / 8))
-    w_vec = cute.zipped_divide(cute.make_tensor(w_ptr, cute.make_layout((n, k), stride=(k, 1))), (1, 8))
-    x_vec = cute.zipped_divide(cute.make_tensor(x_ptr, cute.make_layout((m, k), stride=(k, 1))), (1, 8))
+    # 16-byte vectors along K: ((1, 1, 8), (heads, rows, K / 8)); the head and row strides are
+    # multiples of 8 elements, so a vector stays 16-byte aligned at any head and row
+    w_vec = cute.zipped_divide(
+        cute.make_tensor(w_ptr, cute.make_layout((heads, n, k), stride=(n * k, k, 1))), (1, 1, 8))
+    x_vec = cute.zipped_divide(
+        cute.make_tensor(x_ptr, cute.make_layout((heads, m, k), stride=(*ops.x_strides, 1))), (1, 1, 8))
 
     w_row0 = tile * block_n + wn * 16 * row_tiles + g
     c_begin = split * per_split
@@ -195,17 +245,17 @@ def _skinny_gemm_kernel(
     w_next, w_cur, x_frag, acc, mma = mma_registers(lane_elems, w_rows, x_elems, row_tiles, m_atoms)
 
     if my_chunks > 0:
-        _load_chunk(w_vec, w_next, w_row0, w_rows, n,
+        _load_chunk(w_vec, w_next, head, w_row0, w_rows, n,
                     (c_begin + wk) * (chunk_k // 8) + c * (lane_elems // 8), lane_elems // 8, k, k_tail)
     for it in cutlass.range(my_chunks):
         chunk = c_begin + wk + it * warps_k
         # chunk i+1 is in flight while chunk i is multiplied
         w_cur.store(w_next.load())
         if it + 1 < my_chunks:
-            _load_chunk(w_vec, w_next, w_row0, w_rows, n,
+            _load_chunk(w_vec, w_next, head, w_row0, w_rows, n,
                         (chunk + warps_k) * (chunk_k // 8) + c * (lane_elems // 8), lane_elems // 8, k, k_tail)
         for s in cutlass.range_constexpr(chunk_atoms // x_atoms):
-            _load_chunk(x_vec, x_frag, g, m_atoms, m,
+            _load_chunk(x_vec, x_frag, head, g, m_atoms, m,
                         chunk * (chunk_k // 8) + c * (lane_elems // 8) + s * (x_elems // 8),
                         x_elems // 8, k, k_tail)
             mma_step(mma, acc, w_cur, x_frag, s, lane_elems, x_elems, row_tiles, x_atoms, m_atoms)
@@ -225,8 +275,10 @@ def _skinny_gemm_kernel(
                     red[wk, 8 * j + 2 * c + v0, wn * 16 * row_tiles + 16 * r + 8 * v1 + g] = acc[(v0, v1), r, j]
     cute.arch.sync_threads()
 
-    y = cute.make_tensor(y_ptr, cute.make_layout((m, n), stride=(n, 1)))
-    ws = cute.make_tensor(ws_ptr, cute.make_layout((splits, MAX_ROWS, n), stride=(MAX_ROWS * n, n, 1)))
+    y = cute.make_tensor(y_ptr, cute.make_layout((heads, m, n), stride=(*ops.y_strides, 1)))
+    e = cute.make_tensor(e_ptr, cute.make_layout((heads, m, n), stride=(*ops.e_strides, 1)))
+    ws = cute.make_tensor(ws_ptr, cute.make_layout((heads, splits, MAX_ROWS, n),
+                                                   stride=(splits * MAX_ROWS * n, MAX_ROWS * n, n, 1)))
     for idx in cutlass.range(tid, m * block_n, threads):
         xr = idx // block_n
         nl = idx % block_n
@@ -236,16 +288,17 @@ def _skinny_gemm_kernel(
             for q in cutlass.range_constexpr(1, warps_k):
                 total += red[q, xr, nl]
             if const_expr(splits == 1):
-                y[xr, col] = total.to(y.element_type)
+                _store(y, e, head, xr, col, total, scale, ops.epilogue)
             else:
-                ws[split, xr, col] = total
+                ws[head, split, xr, col] = total
 
     if const_expr(splits > 1):
         # publish this split's partials, then count the tile's arrivals; the last one sums
         cute.arch.fence_acq_rel_gpu()
         cute.arch.sync_threads()
+        counter = cnt_ptr + head * tiles_n + tile
         if tid == 0:
-            arrived = cute.arch.atomic_add(cnt_ptr + tile, Int32(1), sem="acq_rel", scope="gpu")
+            arrived = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
             is_last[0] = Int32(1) if arrived == splits - 1 else Int32(0)
         cute.arch.sync_threads()
         if is_last[0] == 1:
@@ -260,34 +313,34 @@ def _skinny_gemm_kernel(
                 idx = tid + i * threads
                 xr_in = cutlass.min(idx // block_n, m - 1)
                 col_in = cutlass.min(tile * block_n + idx % block_n, n - 1)
-                totals[i] = ws[0, xr_in, col_in]
+                totals[i] = ws[head, 0, xr_in, col_in]
                 for q in cutlass.range_constexpr(1, splits):
-                    totals[i] += ws[q, xr_in, col_in]
+                    totals[i] += ws[head, q, xr_in, col_in]
             for i in cutlass.range_constexpr(per_thread):
                 idx = tid + i * threads
                 xr = idx // block_n
                 col = tile * block_n + idx % block_n
                 if xr < m:
                     if col < n:
-                        y[xr, col] = totals[i].to(y.element_type)
+                        _store(y, e, head, xr, col, totals[i], scale, ops.epilogue)
             if tid == 0:
-                cute.arch.atomic_exch(cnt_ptr + tile, Int32(0), sem="relaxed", scope="gpu")
+                cute.arch.atomic_exch(counter, Int32(0), sem="relaxed", scope="gpu")
 
 
 @cute.jit
 def _skinny_gemm_host(
-    w_ptr: cute.Pointer, x_ptr: cute.Pointer, y_ptr: cute.Pointer, ws_ptr: cute.Pointer,
-    cnt_ptr: cute.Pointer, m: Int32, stream: cuda.CUstream,
+    w_ptr: cute.Pointer, x_ptr: cute.Pointer, y_ptr: cute.Pointer, e_ptr: cute.Pointer, ws_ptr: cute.Pointer,
+    cnt_ptr: cute.Pointer, m: Int32, scale: Float32, stream: cuda.CUstream,
     n: Constexpr, k: Constexpr, m_atoms: Constexpr,
     row_tiles: Constexpr, chunk_atoms: Constexpr, x_atoms: Constexpr,
-    warps_n: Constexpr, warps_k: Constexpr, splits: Constexpr,
+    warps_n: Constexpr, warps_k: Constexpr, splits: Constexpr, ops: Constexpr,
 ):
     block_n = 16 * row_tiles * warps_n
     _skinny_gemm_kernel(
-        w_ptr, x_ptr, y_ptr, ws_ptr, cnt_ptr, m, n, k, m_atoms,
-        row_tiles, chunk_atoms, x_atoms, warps_n, warps_k, splits,
+        w_ptr, x_ptr, y_ptr, e_ptr, ws_ptr, cnt_ptr, m, scale, n, k, m_atoms,
+        row_tiles, chunk_atoms, x_atoms, warps_n, warps_k, splits, ops,
     ).launch(
-        grid=((n + block_n - 1) // block_n, splits, 1),
+        grid=((n + block_n - 1) // block_n, splits, ops.heads),
         block=(32 * warps_n * warps_k, 1, 1),
         stream=stream,
     )
@@ -298,57 +351,81 @@ def _ptr(dtype: Any, address: int, align: int = 16) -> cute.Pointer:
 
 
 def compile_skinny_gemm(n: int, k: int, m_atoms: int, out_dtype: torch.dtype, tiling: Tiling,
-                        arch: str, ptx_dir: str | None = None) -> Any:
-    """Compile for one static shape and arch ('sm_90a', 'sm_100a', ...); needs no GPU.
+                        arch: str, ptx_dir: str | None = None, ops: Operands | None = None) -> Any:
+    """Compile for one static shape, operand layout (default: `Operands.plain`) and arch
+    ('sm_90a', 'sm_100a', ...); needs no GPU.
 
     With ptx_dir the PTX is kept in the result's `artifacts.PTX` (and written into ptx_dir).
     """
     return cute.compile(
         _skinny_gemm_host,
-        _ptr(BFloat16, 16), _ptr(BFloat16, 16), _ptr(_OUT_DTYPES[out_dtype], 16), _ptr(Float32, 16),
-        _ptr(Int32, 16, 4), Int32(1), cute.runtime.make_fake_stream(),
+        _ptr(BFloat16, 16), _ptr(BFloat16, 16), _ptr(_OUT_DTYPES[out_dtype], 16), _ptr(BFloat16, 16, 2),
+        _ptr(Float32, 16), _ptr(Int32, 16, 4), Int32(1), Float32(1.0), cute.runtime.make_fake_stream(),
         n, k, m_atoms, tiling.row_tiles, tiling.chunk_atoms, tiling.x_atoms,
-        tiling.warps_n, tiling.warps_k, tiling.splits,
+        tiling.warps_n, tiling.warps_k, tiling.splits, ops or Operands.plain(n, k),
         options=f"--gpu-arch {arch}" + (f" --keep-ptx --dump-dir={ptx_dir}" if ptx_dir else ""),
     )
 
 
-def check_envelope(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None,
-                   out_dtype: torch.dtype) -> None:
+def _strides(t: torch.Tensor) -> tuple[int, int]:
+    """(per head, per row) strides of a [M, N] or [M, B, N] operand."""
+    return (0, t.stride(0)) if t.dim() == 2 else (t.stride(1), t.stride(0))
+
+
+def check_envelope(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, out_dtype: torch.dtype,
+                   epilogue: tuple[str, torch.Tensor | None] = ("none", None)) -> None:
     """Raise SkinnyGemmEnvelopeError naming what is outside the envelope (no GPU work)."""
     def need(cond: bool, msg: str) -> None:
         if not cond:
             raise SkinnyGemmEnvelopeError(f"skinny_gemm: {msg}")
 
     need(isinstance(x, torch.Tensor) and isinstance(w, torch.Tensor), "x and w must be torch tensors")
-    need(x.dim() == 2 and w.dim() == 2,
-         f"x must be [M, K] and w [N, K], got x {tuple(x.shape)}, w {tuple(w.shape)}")
+    need((x.dim(), w.dim()) in ((2, 2), (3, 3)),
+         f"x must be [M, K] and w [N, K], or per head x [M, B, K] and w [B, N, K]; got x {tuple(x.shape)}, "
+         f"w {tuple(w.shape)}")
     need(x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16,
          f"x and w must be bfloat16, got x {x.dtype}, w {w.dtype}; cast them first")
     need(out_dtype in _OUT_DTYPES, f"out_dtype must be torch.bfloat16 or torch.float32, got {out_dtype}")
-    (m, k), (n, kw) = x.shape, w.shape
+    m, k, kw, n = x.shape[0], x.shape[-1], w.shape[-1], w.shape[-2]
+    heads = 1 if x.dim() == 2 else x.shape[1]
     need(k == kw, f"x has K={k} columns but w has K={kw}")
+    need(x.dim() == 2 or w.shape[0] == heads, f"x has {heads} heads but w has {w.shape[0]}")
     need(1 <= m <= MAX_ROWS, f"M={m} rows is outside 1..{MAX_ROWS}; split the batch into chunks of <= {MAX_ROWS}")
     need(k % 8 == 0 and k > 0, f"K={k} must be a positive multiple of 8 (16-byte rows); pad K with zeros")
     need(n % 16 == 0 and n > 0, f"N={n} must be a positive multiple of 16; pad W with zero rows")
-    need(x.is_contiguous() and w.is_contiguous(), "x and w must be contiguous (row-major); call .contiguous()")
+    need(w.is_contiguous(), "w must be contiguous (row-major); call .contiguous()")
+    need(x.stride(-1) == 1 and all(st % 8 == 0 for st in _strides(x)),
+         f"x must have unit stride along K and head/row strides that are multiples of 8 elements, got strides "
+         f"{tuple(x.stride())}; call .contiguous()")
+    y_shape = (m, n) if x.dim() == 2 else (m, heads, n)
     if out is not None:
-        need(out.shape == (m, n) and out.dtype == out_dtype and out.is_contiguous(),
-             f"out must be a contiguous [{m}, {n}] {out_dtype} tensor, got {tuple(out.shape)} {out.dtype}"
-             f"{'' if out.is_contiguous() else ' non-contiguous'}")
-    tensors = (x, w) if out is None else (x, w, out)
-    need(all(t.device.type == "cuda" for t in tensors), "x, w and out must be CUDA tensors")
-    need(all(t.device == x.device for t in tensors), "x, w and out must be on one device")
-    need(all(t.data_ptr() % 16 == 0 for t in tensors), "x, w and out must be 16-byte aligned (fresh allocations are)")
+        need(tuple(out.shape) == y_shape and out.dtype == out_dtype and out.stride(-1) == 1,
+             f"out must be a {list(y_shape)} {out_dtype} tensor with unit stride along N, got {tuple(out.shape)} "
+             f"{out.dtype} strides {tuple(out.stride())}")
+    kind, operand = epilogue
+    need(kind in EPILOGUES, f"epilogue must be one of {EPILOGUES}, got {kind!r}")
+    need(kind == "none" or (kind == "scale") == (operand is None),
+         f"the {kind!r} epilogue takes {'a float, not a tensor' if kind == 'scale' else 'a tensor'}")
+    if operand is not None:
+        need(isinstance(operand, torch.Tensor) and tuple(operand.shape) == y_shape
+             and operand.dtype == torch.bfloat16 and operand.stride(-1) == 1,
+             f"the {kind} operand must be a {list(y_shape)} bfloat16 tensor with unit stride along N, got "
+             f"{tuple(operand.shape) if isinstance(operand, torch.Tensor) else type(operand).__name__}")
+    tensors = [t for t in (x, w, out, operand) if t is not None]
+    need(all(t.device.type == "cuda" for t in tensors), "x, w, out and the epilogue operand must be CUDA tensors")
+    need(all(t.device == x.device for t in tensors), "x, w, out and the epilogue operand must be on one device")
+    need(all(t.data_ptr() % 16 == 0 for t in (x, w)) and (out is None or out.data_ptr() % 16 == 0),
+         "x, w and out must be 16-byte aligned (fresh allocations are; a column slice must start at a multiple "
+         "of 8 elements)")
 
 
-def _split_scratch(dev: DeviceFacts, n: int, tiling: Tiling) -> tuple[torch.Tensor, ...]:
-    """FP32 partials [splits, 64, N] and zeroed per-tile arrival counters for one shape (the last
-    CTA of a tile zeroes its counter again)."""
-    ws_elems = tiling.splits * MAX_ROWS * n if tiling.splits > 1 else 4
-    return dev.scratch(("skinny_gemm", n, tiling), lambda d: (
+def _split_scratch(dev: DeviceFacts, n: int, tiling: Tiling, heads: int) -> tuple[torch.Tensor, ...]:
+    """FP32 partials [heads, splits, 64, N] and zeroed per-tile arrival counters for one shape (the
+    last CTA of a tile zeroes its counter again)."""
+    ws_elems = heads * tiling.splits * MAX_ROWS * n if tiling.splits > 1 else 4
+    return dev.scratch(("skinny_gemm", n, tiling, heads), lambda d: (
         torch.empty(ws_elems, dtype=torch.float32, device=d),
-        torch.zeros(tiling.tiles_n(n), dtype=torch.int32, device=d)))
+        torch.zeros(heads * tiling.tiles_n(n), dtype=torch.int32, device=d)))
 
 
 _COMPILED: dict[tuple, Any] = {}
@@ -356,26 +433,38 @@ _COMPILED: dict[tuple, Any] = {}
 
 def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
            out_dtype: torch.dtype = torch.bfloat16, stream: torch.cuda.Stream | None = None,
-           tiling: Tiling | None = None) -> torch.Tensor:
-    """y = x · wᵀ into `out` (allocated when None) on `stream` (default: the current stream).
+           tiling: Tiling | None = None, scale: float | None = None, addend: torch.Tensor | None = None,
+           gate: torch.Tensor | None = None) -> torch.Tensor:
+    """y = x · wᵀ (per head for 3-D x and w) into `out` (allocated when None) on `stream` (default:
+    the current stream), through at most one epilogue: `scale`, `addend` or `gate`.
 
     The first call of a shape compiles (seconds); later calls only launch. `tiling` overrides the
     heuristic (benchmarks use it to compare tilings).
     """
-    check_envelope(x, w, out, out_dtype)
-    (m, k), n = x.shape, w.shape[0]
+    chosen = [(kind, v) for kind, v in (("scale", scale), ("add", addend), ("gate", gate)) if v is not None]
+    if len(chosen) > 1:
+        raise SkinnyGemmEnvelopeError(f"skinny_gemm: at most one epilogue, got {[kind for kind, _ in chosen]}")
+    kind, value = chosen[0] if chosen else ("none", None)
+    operand = None if kind in ("none", "scale") else value
+    check_envelope(x, w, out, out_dtype, (kind, operand))
+    m, k, n = x.shape[0], x.shape[-1], w.shape[-2]
+    heads = 1 if x.dim() == 2 else x.shape[1]
     dev = facts(x.device)
     m_atoms = -(-m // 8)
-    tiling = tiling or choose_tiling(n, k, m_atoms, dev.sm_count)
-    key = (n, k, m_atoms, out_dtype, dev.arch, tiling)
+    tiling = tiling or choose_tiling(n, k, m_atoms, dev.sm_count, heads)
+    if out is None:
+        out = torch.empty((m, n) if x.dim() == 2 else (m, heads, n), dtype=out_dtype, device=x.device)
+    ops = Operands(heads, _strides(x), _strides(out), kind,
+                   _strides(operand) if operand is not None else (0, 0))
+    key = (n, k, m_atoms, out_dtype, dev.arch, tiling, ops)
     fn = _COMPILED.get(key)
     if fn is None:
-        fn = _COMPILED[key] = compile_skinny_gemm(n, k, m_atoms, out_dtype, tiling, dev.arch)
-    ws, cnt = _split_scratch(dev, n, tiling)
-    if out is None:
-        out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+        fn = _COMPILED[key] = compile_skinny_gemm(n, k, m_atoms, out_dtype, tiling, dev.arch, ops=ops)
+    ws, cnt = _split_scratch(dev, n, tiling, heads)
     stream = torch.cuda.current_stream(x.device) if stream is None else stream
+    e_addr = (operand if operand is not None else x).data_ptr()
     fn(_ptr(BFloat16, w.data_ptr()), _ptr(BFloat16, x.data_ptr()),
-       _ptr(_OUT_DTYPES[out_dtype], out.data_ptr()), _ptr(Float32, ws.data_ptr()),
-       _ptr(Int32, cnt.data_ptr(), 4), m, cuda.CUstream(stream.cuda_stream))
+       _ptr(_OUT_DTYPES[out_dtype], out.data_ptr()), _ptr(BFloat16, e_addr, 2), _ptr(Float32, ws.data_ptr()),
+       _ptr(Int32, cnt.data_ptr(), 4), m, float(scale if scale is not None else 1.0),
+       cuda.CUstream(stream.cuda_stream))
     return out

@@ -5,7 +5,7 @@ runs it with one of two tables:
 
 | table | op implementations | used for |
 | --- | --- | --- |
-| `KernelOps` | the CuTe DSL kernels of `kernels/` (and the few glue ops named in `GLUE`) | the specialized path on a GPU |
+| `KernelOps` | the CuTe DSL kernels of `kernels/` (and the glue op named in `GLUE`) | the specialized path on a GPU |
 | `ReferenceOps` | the functions of `reference/` on the same tensors and metadata | CPU tests of the executor's plumbing (buffers, AttnRes slots, metadata, padding), exact against `ReferenceModel` |
 
 Every call is recorded in `trace` as `(op, implementation)`; the executor captures one trace
@@ -20,6 +20,7 @@ tensors, which is how the CPU tests prove the metadata itself.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -40,9 +41,32 @@ if TYPE_CHECKING:
     from .config import K3TextConfig, ShardShapes
     from .executor import StepMeta
 
-# Ops that run as plain torch on both tables: views, copies and elementwise epilogues that
-# no kernel fuses yet, and the per-head MLA (un)absorption GEMMs on cuBLAS.
-GLUE = ("copy", "mla_absorb", "mla_unabsorb", "mla_gate", "bf16_add", "logits_scale")
+# Ops that run as plain torch on both tables: the copy of an operand no kernel can read in
+# place (vLLM's embeddings into the step's block slot; a GEMM input whose rows are not 16-byte
+# aligned, which K3's and the tiny model's never are).
+GLUE = ("copy",)
+
+
+@dataclass(frozen=True)
+class MLAAbsorption:
+    """One MLA layer's kv_b, split per head for the absorbed form (built once, at the build).
+
+    w_uk `[h, d_n, r_kv]` and w_uv `[h, d_v, r_kv]` (reference/mla.py::split_kv_b); q_to_latent
+    `[h, r_kv + d_r, d_n + d_r]` = [[W_UKᵀ, 0], [0, I]] per head, so that one GEMM per head gives
+    q_lat = [q_nope · W_UK | q_pe] exactly: the identity block copies q_pe (one nonzero product
+    per output) and the zero blocks add exact zeros to the fp32 sums."""
+
+    w_uk: torch.Tensor
+    w_uv: torch.Tensor
+    q_to_latent: torch.Tensor
+
+    @staticmethod
+    def of(w_uk: torch.Tensor, w_uv: torch.Tensor, d_r: int) -> MLAAbsorption:
+        heads, d_n, r_kv = w_uk.shape
+        q_to_latent = torch.zeros(heads, r_kv + d_r, d_n + d_r, dtype=w_uk.dtype, device=w_uk.device)
+        q_to_latent[:, :r_kv, :d_n] = w_uk.transpose(1, 2)
+        q_to_latent[:, r_kv:, d_n:] = torch.eye(d_r, dtype=w_uk.dtype, device=w_uk.device)
+        return MLAAbsorption(w_uk.contiguous(), w_uv.contiguous(), q_to_latent)
 
 
 class DecodeOps:
@@ -71,9 +95,17 @@ class DecodeOps:
         self._rec("copy", "torch")
         return x.contiguous()
 
-    def mla_gate(self, o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        self._rec("mla_gate", "torch")
-        return (o.reshape(gate.shape).to(F32) * torch.sigmoid(gate.to(F32))).to(BF16)
+    # ---- the reference's forms, which ReferenceOps and TorchOps share
+    @staticmethod
+    def linear_epilogue(y: torch.Tensor, out_dtype: torch.dtype, addend: torch.Tensor | None,
+                        scale: float | None) -> torch.Tensor:
+        """After the bf16 product y: bf16(y + addend) (reference/ops.py::bf16_add, routed + shared),
+        or y in fp32 times scale (the logit scale), in out_dtype."""
+        if addend is not None:
+            y = bf16_add(y, addend)
+        if scale is not None:
+            y = y.to(F32) * scale if scale != 1.0 else y.to(F32)
+        return y.to(out_dtype)
 
     def situ_and_mul(self, gate_up: torch.Tensor, beta: float | None, linear_beta: float | None) -> torch.Tensor:
         """The reference's SiTU-and-mul on [g | u] (KernelOps runs kernels/situ_mul.py instead)."""
@@ -81,29 +113,23 @@ class DecodeOps:
         gate, up = gate_up.chunk(2, dim=-1)
         return situ_and_mul(gate, up, beta, linear_beta)
 
-    def bf16_add(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        self._rec("bf16_add", "torch")
-        return bf16_add(a, b)
-
-    def logits_scale(self, logits: torch.Tensor, scale: float) -> torch.Tensor:
-        self._rec("logits_scale", "torch")
-        out = logits.to(F32)
-        return out * scale if scale != 1.0 else out
-
-    def mla_absorb(self, q: torch.Tensor, w_uk: torch.Tensor, d_n: int) -> torch.Tensor:
+    def mla_absorb(self, q: torch.Tensor, mla: MLAAbsorption) -> torch.Tensor:
         """q [N, h, d_n + d_r] -> q_lat [N, h, r_kv + d_r] = [bf16(q_nope · W_UK) | q_pe]."""
-        self._rec("mla_absorb", "torch")
+        self._rec("mla_absorb")
         if acc_dtype(q) != F32:
-            return ref_mla.absorb_query(q, w_uk)
-        ql = torch.bmm(q[..., :d_n].transpose(0, 1), w_uk).transpose(0, 1)  # one batched GEMM on the GPU
+            return ref_mla.absorb_query(q, mla.w_uk)
+        d_n = mla.w_uk.shape[1]
+        ql = torch.bmm(q[..., :d_n].transpose(0, 1), mla.w_uk).transpose(0, 1)  # one batched GEMM on the GPU
         return torch.cat([ql, q[..., d_n:]], dim=-1)
 
-    def mla_unabsorb(self, ol: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
-        """ol [N, h, r_kv] -> o [N, h, d_v] = bf16(ol · W_UVᵀ)."""
-        self._rec("mla_unabsorb", "torch")
+    def mla_unabsorb(self, ol: torch.Tensor, mla: MLAAbsorption, gate: torch.Tensor) -> torch.Tensor:
+        """ol [N, h, r_kv] -> the gated output [N, h·d_v] = bf16(o · σ(gate)), o = bf16(ol · W_UVᵀ)."""
+        self._rec("mla_unabsorb")
         if acc_dtype(ol) != F32:
-            return ref_mla.unabsorb(ol, w_uv)
-        return torch.bmm(ol.transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
+            o = ref_mla.unabsorb(ol, mla.w_uv)
+        else:
+            o = torch.bmm(ol.transpose(0, 1), mla.w_uv.transpose(1, 2)).transpose(0, 1)
+        return (o.reshape(gate.shape).to(F32) * torch.sigmoid(gate.to(F32))).to(BF16)
 
 
 class ReferenceOps(DecodeOps):
@@ -111,9 +137,13 @@ class ReferenceOps(DecodeOps):
 
     impl = "reference"
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = BF16) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = BF16, *,
+               addend: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+        """x · wᵀ; with an addend or a scale the product is rounded to bf16 first (`linear_epilogue`)."""
         self._rec("linear")
-        return linear(x, w, out_dtype)
+        if addend is None and scale is None:
+            return linear(x, w, out_dtype)
+        return self.linear_epilogue(linear(x, w, BF16), out_dtype, addend, scale)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         self._rec("rms_norm")
@@ -199,11 +229,22 @@ class KernelOps(DecodeOps):
         self._rec("situ_and_mul")
         return self.k_situ.launch(gate_up, beta, linear_beta)
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = BF16) -> torch.Tensor:
-        if not x.is_contiguous():
+    def linear(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = BF16, *,
+               addend: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+        if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # rows the GEMM cannot read in place
             x = self.copy(x)
         self._rec("skinny_gemm")
-        return self.k_gemm.launch(x, w, out_dtype=out_dtype)
+        return self.k_gemm.launch(x, w, out_dtype=out_dtype, addend=addend, scale=scale)
+
+    def mla_absorb(self, q: torch.Tensor, mla: MLAAbsorption) -> torch.Tensor:
+        self._rec("skinny_gemm")  # per head: q · [[W_UKᵀ, 0], [0, I]]ᵀ = [q_nope · W_UK | q_pe]
+        return self.k_gemm.launch(q, mla.q_to_latent)
+
+    def mla_unabsorb(self, ol: torch.Tensor, mla: MLAAbsorption, gate: torch.Tensor) -> torch.Tensor:
+        self._rec("skinny_gemm")  # per head, the output gate in its epilogue
+        heads, d_v = mla.w_uv.shape[:2]
+        o = self.k_gemm.launch(ol, mla.w_uv, gate=gate.view(-1, heads, d_v))
+        return o.view(-1, heads * d_v)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
         self._rec("rms_norm")

@@ -40,7 +40,7 @@ from ..reference.ops import F32
 from ..reference.params import DenseMLPWeights, KDAWeights, MoEWeights
 from ..reference.state import DecodeState, KDALayerState, MLALayerState, Segment
 from .buckets import bucket_for, pad_to_bucket
-from .decode_ops import DecodeOps, KernelOps, ReferenceOps
+from .decode_ops import DecodeOps, KernelOps, MLAAbsorption, ReferenceOps
 from .deployment import StepFacts
 
 
@@ -182,7 +182,8 @@ class SpecializedDecode:
         d_n = self.cfg.qk_nope_head_dim
         self.tau = 1.0 / math.sqrt(d_n + self.cfg.qk_rope_head_dim)
         # per-head absorption matrices, contiguous once (views of kv_b otherwise)
-        self.absorb = {i: tuple(t.contiguous() for t in split_kv_b(lw.attn.kv_b, self.cfg, self.shard.mla_heads))
+        self.absorb = {i: MLAAbsorption.of(*split_kv_b(lw.attn.kv_b, self.cfg, self.shard.mla_heads),
+                                           self.cfg.qk_rope_head_dim)
                        for i, lw in enumerate(self.w.layers) if not isinstance(lw.attn, KDAWeights)}
         self.moe = {i: self.ops.prepare_moe(lw.mlp) for i, lw in enumerate(self.w.layers)
                     if isinstance(lw.mlp, MoEWeights)}
@@ -317,12 +318,13 @@ class SpecializedDecode:
             return ops.attn_res(blocks, n_blocks, partial, w.out_res_norm, w.out_res_proj, eps, addend=m)
         h = ops.attn_res(blocks, n_blocks, partial, w.out_res_norm, w.out_res_proj, eps, addend=m,
                          final_norm=w.final_norm)
-        return ops.logits_scale(coll.all_gather(ops.linear(h, w.lm_head), dim=-1), cfg.logit_scale)
+        # each shard's logits scaled before the gather, which only concatenates them
+        return coll.all_gather(ops.linear(h, w.lm_head, out_dtype=F32, scale=cfg.logit_scale), dim=-1)
 
     def _kda(self, i: int, w: KDAWeights, u: torch.Tensor, meta: StepMeta) -> torch.Tensor:
         ops, p, d = self.ops, self.shard.kda_proj, self.cfg.kda_head_dim
         z = ops.linear(u, w.in_proj)
-        g_raw = ops.linear(ops.copy(z[:, 4 * p:4 * p + d]), w.f_b)
+        g_raw = ops.linear(z[:, 4 * p:4 * p + d], w.f_b)
         y = ops.kda_core(z, g_raw, w, self.state.kda[i], meta, self.cfg, self.shard)
         return self.coll.all_reduce(ops.linear(y, w.o_proj))
 
@@ -335,10 +337,9 @@ class SpecializedDecode:
         cache = self.state.mla[i].cache
         ops.mla_cache_write(kv_c, k_pe, w.kv_a_norm, eps, cache, meta.cache_index)
         q = ops.linear(ops.rms_norm(q_c, w.q_a_norm, eps), w.q_b).view(-1, heads, d_n + d_r)
-        w_uk, w_uv = self.absorb[i]
-        q_lat = ops.mla_absorb(q, w_uk, d_n)
-        o = ops.mla_unabsorb(ops.mla_attend(q_lat, cache, meta, r_kv, self.tau), w_uv)
-        return self.coll.all_reduce(ops.linear(ops.mla_gate(o, gate), w.o_proj))
+        q_lat = ops.mla_absorb(q, self.absorb[i])
+        o = ops.mla_unabsorb(ops.mla_attend(q_lat, cache, meta, r_kv, self.tau), self.absorb[i], gate)
+        return self.coll.all_reduce(ops.linear(o, w.o_proj))
 
     def _moe(self, w: MoEWeights, v: torch.Tensor) -> torch.Tensor:
         cfg, ops = self.cfg, self.ops
@@ -347,9 +348,10 @@ class SpecializedDecode:
         y = y[:, :cfg.routed_expert_hidden_size]  # a padded latent's columns are zero (moe_padding.py)
         if cfg.latent_moe_use_norm:
             y = ops.rms_norm(y, w.latent_norm, cfg.rms_norm_eps)
-        routed = ops.linear(y, w.latent_up)
+        # routed + shared in the up-projection's epilogue: both are whole here (after their
+        # all-reduces; latent_up is replicated)
         shared = self._gated_mlp(w.shared_gate_up, w.shared_down, v)
-        return ops.bf16_add(routed, shared)
+        return ops.linear(y, w.latent_up, addend=shared)
 
     def _dense(self, w: DenseMLPWeights, v: torch.Tensor) -> torch.Tensor:
         return self._gated_mlp(w.gate_up, w.down, v)

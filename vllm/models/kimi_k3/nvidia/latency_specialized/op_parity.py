@@ -91,8 +91,14 @@ class ComparedOps(DecodeOps):
         self.oracle.mla_cache_write(kv_c, k_pe, norm_w, eps, cache, index)
         self.report.append(("mla_cache_write", 0, _rel(copy[1:], cache[1:])))
 
+    def mla_absorb(self, *a: Any, **k: Any) -> torch.Tensor:
+        return self._both("mla_absorb", *a, **k)
+
     def mla_attend(self, *a: Any, **k: Any) -> torch.Tensor:
         return self._both("mla_attend", *a, **k)
+
+    def mla_unabsorb(self, *a: Any, **k: Any) -> torch.Tensor:
+        return self._both("mla_unabsorb", *a, **k)
 
     def route(self, logits, bias, cfg):
         want = self.oracle.route(logits, bias, cfg)

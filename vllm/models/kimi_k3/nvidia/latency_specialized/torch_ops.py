@@ -16,12 +16,12 @@ In particular no op calls `StepMeta.kda_segments()`, which builds host `Segment`
 
 | op | implementation |
 | --- | --- |
-| `linear` | `F.linear` in bf16 (cuBLAS); fp32 out from fp32-upcast operands (the router) |
+| `linear` | `F.linear` in bf16 (cuBLAS); fp32 out from fp32-upcast operands (the router); the addend and the scale after the bf16 product, as `DecodeOps.linear_epilogue` |
 | `kda_core` | batched over requests: device-indexed conv window, gated delta rule unrolled over the q tokens, `index_copy_` writes |
 | `mla_attend` | the whole block table of each request gathered, masked and attended with two batched GEMMs |
 | `routed_experts` | per bucket the form moving fewer bytes: selected experts gathered (`w13[ids]`, `w2[ids]`) into batched GEMVs, or all experts on all rows |
 | inherited from `ReferenceOps` | `rms_norm`, `embed`, `attn_res` (already capturable), `route` (stable sorts, int32 ids) |
-| inherited from `DecodeOps` | the glue ops of `decode_ops.GLUE` |
+| inherited from `DecodeOps` | `mla_absorb`, `mla_unabsorb` (batched `bmm`s, the gate after them), the glue of `decode_ops.GLUE` |
 
 Rounding points follow the reference (reference/ops.py and K3_MATH.md §8): bf16 GEMM
 outputs, fp32 pointwise math and accumulation. The pointwise math of the ops written here
@@ -74,8 +74,11 @@ class TorchOps(ReferenceOps):
 
     impl = "torch"
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = BF16) -> torch.Tensor:
+    def linear(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = BF16, *,
+               addend: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
         self._rec("linear")
+        if addend is not None or scale is not None:
+            return self.linear_epilogue(F.linear(x.to(BF16), w.to(BF16)), out_dtype, addend, scale)
         if out_dtype == BF16:
             return F.linear(x.to(BF16), w.to(BF16))
         # bf16 operands are exact in fp32, so this is the bf16 GEMM with an fp32 result
@@ -212,9 +215,12 @@ class RoundingNoiseOps(TorchOps):
     distance from the eager reference is the spread any correct bf16 implementation may show,
     the yardstick of decode_latency's parity rule (random-weight K3 blocks amplify it)."""
 
-    def linear(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = BF16) -> torch.Tensor:
-        if out_dtype != BF16:
+    def linear(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = BF16, *,
+               addend: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
+        epilogue = addend is not None or scale is not None
+        if out_dtype != BF16 and not epilogue:  # the router's fp32 logits: no bf16 rounding to perturb
             return super().linear(x, w, out_dtype)
         self._rec("linear")
         y = x.to(F32) @ w.to(F32).t()
-        return (y * (1 + (2 * torch.rand_like(y) - 1) * 2.0**-8)).to(BF16)
+        y = (y * (1 + (2 * torch.rand_like(y) - 1) * 2.0**-8)).to(BF16)
+        return self.linear_epilogue(y, out_dtype, addend, scale) if epilogue else y

@@ -12,7 +12,7 @@ from vllm.models.kimi_k3.nvidia.latency_specialized.weights import RandomSource,
 from vllm.models.kimi_k3.nvidia.reference.model import ReferenceModel
 
 KERNEL_OPS = ("situ_and_mul", "linear", "rms_norm", "embed", "attn_res", "kda_core", "mla_cache_write",
-              "mla_attend", "route", "routed_experts")
+              "mla_absorb", "mla_attend", "mla_unabsorb", "route", "routed_experts")
 
 
 class EnvelopeProbe(KernelOps):

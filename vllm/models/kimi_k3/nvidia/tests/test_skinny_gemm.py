@@ -2,10 +2,13 @@
 
 CPU: envelope errors (raised before any CUDA use) and compile checks for sm_90a, sm_100a and
 sm_103a whose PTX must show the design (mma.sync m16n8k16, 16-byte global loads, no local
-memory). GPU (marker `gpu`): every K3 projection shape of TP1/8/16 at M in {1, 2, 3, 8, 16, 33,
-64}, four input distributions, NaN-poisoned outputs, ‖out − ref‖/‖ref‖ in fp32 under a bound;
-repeat launches bit-identical (split-K counters reset); CUDA-graph capture and replay. With
-K3_EVIDENCE_DIR set the GPU results are also written there as a "kernel-test" record.
+memory), also per head and with each epilogue. GPU (marker `gpu`): every K3 projection shape of
+TP1/8/16 at M in {1, 2, 3, 8, 16, 33, 64}, four input distributions, NaN-poisoned outputs,
+‖out − ref‖/‖ref‖ in fp32 under a bound; the step's uses of the operand layouts and epilogues
+(x as a column slice, MLA's per-head absorption and gated un-absorption, the residual add, the
+logit scale) against the reference formulas on the same inputs; repeat launches bit-identical
+(split-K counters reset); CUDA-graph capture and replay. With K3_EVIDENCE_DIR set the GPU
+results are also written there as a "kernel-test" record.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip 
 from vllm.models.kimi_k3.nvidia.kernels import skinny_gemm  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.shapes import k3_gemm_shapes  # noqa: E402
 from vllm.models.kimi_k3.nvidia.latency_specialized.evidence import write_record  # noqa: E402
-from vllm.models.kimi_k3.nvidia.reference.ops import linear  # noqa: E402
+from vllm.models.kimi_k3.nvidia.reference.ops import BF16, F32, bf16_add, linear  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._util import DISTRIBUTIONS, draw, rel_err  # noqa: E402
 
 ROWS = (1, 2, 3, 8, 16, 33, 64)
@@ -61,6 +64,10 @@ def _ok_inputs(m=4, n=32, k=64):
     ("n16", "multiple of 16"),
     ("kmismatch", "K=64 columns but w has K=72"),
     ("out", "out must be"),
+    ("xstride", "multiples of 8 elements"),
+    ("heads", "x has 3 heads but w has 2"),
+    ("two", "at most one epilogue"),
+    ("addend", "the add operand must be a [4, 32] bfloat16"),
     ("cpu", "CUDA tensors"),
 ])
 def test_envelope_errors(case, match):
@@ -80,8 +87,17 @@ def test_envelope_errors(case, match):
         w = torch.randn(32, 72).to(torch.bfloat16)
     elif case == "out":
         out = torch.empty(4, 16, dtype=torch.bfloat16)
+    elif case == "xstride":
+        x = torch.randn(4, 68).to(torch.bfloat16)[:, 2:66]
+    elif case == "heads":
+        x, w = torch.randn(4, 3, 64).to(torch.bfloat16), torch.randn(2, 32, 64).to(torch.bfloat16)
+    kw = {}
+    if case == "two":
+        kw = {"scale": 2.0, "addend": torch.zeros(4, 32, dtype=torch.bfloat16)}
+    elif case == "addend":
+        kw = {"addend": torch.zeros(4, 16, dtype=torch.bfloat16)}
     with pytest.raises(skinny_gemm.SkinnyGemmEnvelopeError, match=re.escape(match)):
-        skinny_gemm.launch(x, w, out)
+        skinny_gemm.launch(x, w, out, **kw)
 
 
 def test_tilings_cover_every_shape_and_row_count():
@@ -116,6 +132,35 @@ def test_compiles_for_arch(arch, name, m_atoms, tmp_path):
     assert not re.search(r"\b(ld|st)\.local", ptx), "registers spilled to local memory"
     if t.splits > 1:
         assert "atom" in ptx  # the split-K arrival counter
+
+
+# the step's operand layouts and epilogues at TP16's shapes (K3: 6 MLA heads a rank, fused_a
+# output 2880 wide with the gate in its last 6·128 columns, kda_in_proj output 3216 wide)
+LAYOUT_CASES = {
+    "f_b on a column slice of z": (skinny_gemm.Operands(1, (0, 3216), (0, 768)), 768, 128),
+    "MLA absorption per head": (skinny_gemm.Operands(6, (192, 1152), (576, 3456)), 576, 192),
+    "MLA un-absorption, gated": (skinny_gemm.Operands(6, (512, 3072), (128, 768), "gate", (128, 2880)), 128, 512),
+    "latent_up + shared": (skinny_gemm.Operands(1, (0, 3584), (0, 7168), "add", (0, 7168)), 7168, 3584),
+    "LM head, scaled": (skinny_gemm.Operands(1, (0, 7168), (0, 10240), "scale"), 10240, 7168),
+}
+
+
+@pytest.mark.parametrize("case", list(LAYOUT_CASES))
+def test_operand_layouts_and_epilogues_compile(case, tmp_path):
+    ops, n, k = LAYOUT_CASES[case]
+    out_dtype = torch.float32 if ops.epilogue == "scale" else torch.bfloat16
+    t = skinny_gemm.choose_tiling(n, k, 1, 132, ops.heads)
+    ptx = skinny_gemm.compile_skinny_gemm(n, k, 1, out_dtype, t, "sm_90a", ptx_dir=str(tmp_path), ops=ops).artifacts.PTX
+    assert "ld.global.v4.b32" in ptx  # strided rows and heads keep the 16-byte loads
+    assert not re.search(r"\b(ld|st)\.local", ptx), "registers spilled to local memory"
+    assert ("ex2.approx" in ptx) == (ops.epilogue == "gate")  # σ only where the gate is
+
+
+def test_heads_count_as_ctas_when_splits_fill_the_gpu():
+    # 4 tiles of 32 rows: alone they leave room for 14 splits (K's 56 chunks over 4 warps); 16
+    # heads make 64 tiles, and 264 resident CTAs hold 4 splits of them
+    assert skinny_gemm.choose_tiling(128, 7168, 1, 132).splits == 14
+    assert skinny_gemm.choose_tiling(128, 7168, 1, 132, heads=16).splits == 4
 
 
 # ---------------------------------------------------------------- GPU checks
@@ -193,3 +238,58 @@ def test_repeat_launch_and_cuda_graph(name, m):
     # the CPU oracle (fp64 sums), so that no cuBLAS kernel runs here: this test is the one the
     # racecheck record runs, and cuBLAS's own split-K kernels report shared-memory hazards
     assert rel_err(out.cpu(), linear(x.cpu(), w.cpu(), torch.float32)) < REL_ERR_BOUND[s.out_dtype]
+
+
+def _layout_inputs(case: str, m: int, gen: torch.Generator, dist: str):
+    """x, W, the epilogue operand, the reference output and the launch kwargs of one LAYOUT_CASE,
+    the operands cut from wider tensors exactly as the executor cuts them."""
+    if case == "f_b on a column slice of z":
+        z = draw(dist, (m, 3216), gen, "cuda")
+        x, w = z[:, 4 * 768:4 * 768 + 128], draw(dist, (768, 128), gen, "cuda")
+        return x, w, {}, linear(x.contiguous(), w, F32)
+    if case == "MLA absorption per head":
+        q = draw(dist, (m, 6, 192), gen, "cuda")
+        w_uk = draw(dist, (6, 128, 512), gen, "cuda")
+        w_aug = torch.zeros(6, 576, 192, dtype=BF16, device="cuda")  # [[W_UKᵀ, 0], [0, I]]
+        w_aug[:, :512, :128] = w_uk.transpose(1, 2)
+        w_aug[:, 512:, 128:] = torch.eye(64, dtype=BF16, device="cuda")
+        ql = torch.einsum("nhd,hdr->nhr", q[..., :128].float(), w_uk.float())
+        return q, w_aug, {}, torch.cat([ql, q[..., 128:].float()], dim=-1)
+    if case == "MLA un-absorption, gated":
+        ol = draw(dist, (m, 6, 512), gen, "cuda")
+        w_uv = draw(dist, (6, 128, 512), gen, "cuda")
+        fused = draw(dist, (m, 2880), gen, "cuda")
+        gate = fused[:, 2112:].view(m, 6, 128)
+        o = torch.einsum("nhr,hvr->nhv", ol.float(), w_uv.float()).to(BF16)
+        return ol, w_uv, {"gate": gate}, o.float() * torch.sigmoid(gate.float())
+    if case == "latent_up + shared":
+        y, w = draw(dist, (m, 3584), gen, "cuda"), draw(dist, (7168, 3584), gen, "cuda")
+        shared = draw(dist, (m, 7168), gen, "cuda")
+        return y, w, {"addend": shared}, bf16_add(linear(y, w, BF16), shared).float()
+    h, w = draw(dist, (m, 7168), gen, "cuda"), draw(dist, (10240, 7168), gen, "cuda")
+    return h, w, {"scale": 0.37}, linear(h, w, BF16).float() * 0.37
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(LAYOUT_CASES))
+def test_operand_layouts_and_epilogues_match_the_reference(case, evidence):
+    """Each use the step makes of x slices, heads and epilogues against the reference formula it
+    replaces, outputs NaN-poisoned, inside a wider NaN-filled tensor where the step writes one
+    (the absorbed q_lat): nothing outside the asked columns may be written."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gen = torch.Generator(device="cuda").manual_seed(sum(map(ord, case)))
+    failures = []
+    for dist in DISTRIBUTIONS:
+        for m in ROWS:
+            x, w, kw, ref = _layout_inputs(case, m, gen, dist)
+            out_dtype = torch.float32 if "scale" in kw else BF16
+            out = torch.full(ref.shape, float("nan"), dtype=out_dtype, device="cuda")
+            skinny_gemm.launch(x, w, out, out_dtype=out_dtype, **kw)
+            unwritten = int(torch.isnan(out).sum())
+            rel = rel_err(out, ref)
+            ok = unwritten == 0 and rel < REL_ERR_BOUND[BF16]
+            evidence.append({"name": f"{case} M={m} {dist}", "status": "pass" if ok else "fail",
+                             "distribution": dist, "rel_err": rel, "unwritten": unwritten})
+            if not ok:
+                failures.append(f"M={m} {dist}: rel_err {rel:.2e}, {unwritten} NaN left")
+    assert not failures, f"{case}: " + "; ".join(failures)
