@@ -138,6 +138,7 @@ class AttnResPlan:
 def _attn_res_kernel(blk_ptr: cute.Pointer, pre_ptr: cute.Pointer, add_ptr: cute.Pointer, live_ptr: cute.Pointer,
                      nw_ptr: cute.Pointer, pw_ptr: cute.Pointer, ow_ptr: cute.Pointer, out_ptr: cute.Pointer,
                      mix_ptr: cute.Pointer, m: Int32, eps: Float32, out_eps: Float32, plan: Constexpr):
+    cute.arch.griddepcontrol_launch_dependents()  # a PDL-launched GEMM may start its W loads (skinny_gemm.py)
     tid, _, _ = cute.arch.thread_idx()
     part, row, _ = cute.arch.block_idx()
     t = plan.tiling

@@ -73,6 +73,7 @@ class EmbeddingPlan:
 @cute.kernel
 def _embedding_kernel(ids_ptr: cute.Pointer, table_ptr: cute.Pointer, out_ptr: cute.Pointer, m: Int32,
                       start: Int32, vocab_size: Int32, plan: Constexpr):
+    cute.arch.griddepcontrol_launch_dependents()  # a PDL-launched GEMM may start its W loads (skinny_gemm.py)
     tid, _, _ = cute.arch.thread_idx()
     row, _, _ = cute.arch.block_idx()
     ids = cute.make_tensor(ids_ptr, cute.make_layout(m))

@@ -220,6 +220,7 @@ def _kda_decode_kernel(z_ptr: cute.Pointer, graw_ptr: cute.Pointer, convw_ptr: c
                        read_slot_ptr: cute.Pointer, rec_slots_ptr: cute.Pointer, accepted_ptr: cute.Pointer,
                        out_ptr: cute.Pointer, requests: Int32, rec_pool: Int32, conv_pool: Int32,
                        lower_bound: Float32, plan: Constexpr):
+    cute.arch.griddepcontrol_launch_dependents()  # a PDL-launched GEMM may start its W loads (skinny_gemm.py)
     tid, _, _ = cute.arch.thread_idx()
     rank, head, req = cute.arch.block_idx()
     h, q, split = plan.heads, plan.q, plan.split

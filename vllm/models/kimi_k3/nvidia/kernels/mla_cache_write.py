@@ -77,6 +77,7 @@ class CacheWritePlan:
 def _mla_cache_write_kernel(kv_ptr: cute.Pointer, pe_ptr: cute.Pointer, w_ptr: cute.Pointer, slot_ptr: cute.Pointer,
                             cache_ptr: cute.Pointer, out_ptr: cute.Pointer, m: Int32, cache_rows: Int64,
                             eps: Float32, plan: Constexpr):
+    cute.arch.griddepcontrol_launch_dependents()  # a PDL-launched GEMM may start its W loads (skinny_gemm.py)
     tid, _, _ = cute.arch.thread_idx()
     row, _, _ = cute.arch.block_idx()
     kv = row_vectors(kv_ptr, m, LATENT, plan.kv_stride)

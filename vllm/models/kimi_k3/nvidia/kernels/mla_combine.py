@@ -60,6 +60,7 @@ def _merge(state: cute.Tensor, o: cute.Tensor, m_s: Float32, l_s: Float32):
 @cute.kernel
 def _mla_combine_kernel(ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, info_ptr: cute.Pointer,
                         out_ptr: cute.Pointer, slots: Int32, out_rows: Int32, tile_rows: Constexpr):
+    cute.arch.griddepcontrol_launch_dependents()  # a PDL-launched GEMM may start its W loads (skinny_gemm.py)
     tid, _, _ = cute.arch.thread_idx()
     unit, _, _ = cute.arch.block_idx()
     lane = tid % 32

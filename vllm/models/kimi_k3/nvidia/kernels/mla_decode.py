@@ -410,6 +410,7 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
                        ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, info_ptr: cute.Pointer,
                        rows: Int32, requests: Int32, num_blocks: Int32, max_blocks: Int32, slots: Int32,
                        target: Int32, min_chunks: Int32, plan: Constexpr):
+    cute.arch.griddepcontrol_launch_dependents()  # a PDL-launched GEMM may start its W loads (skinny_gemm.py)
     tid, _, _ = cute.arch.thread_idx()
     unit, _, _ = cute.arch.block_idx()
     lane = tid % 32

@@ -41,6 +41,7 @@ class MoECombineEnvelopeError(ValueError):
 @cute.kernel
 def _combine_kernel(o_ptr: cute.Pointer, ids_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer,
                     m: Int32, n_experts: Constexpr, top_k: Constexpr, h: Constexpr):
+    cute.arch.griddepcontrol_launch_dependents()  # a PDL-launched GEMM may start its W loads (skinny_gemm.py)
     tid, _, _ = cute.arch.thread_idx()
     row, part, _ = cute.arch.block_idx()
     vec = part * THREADS + tid  # this thread's 8 columns: 8·vec ..

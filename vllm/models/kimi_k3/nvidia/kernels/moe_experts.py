@@ -251,6 +251,7 @@ def _expert_gemv_kernel(
     row_tiles: Constexpr, chunk_atoms: Constexpr, x_atoms: Constexpr,
     warps_n: Constexpr, warps_k: Constexpr,
 ):
+    cute.arch.griddepcontrol_launch_dependents()  # a PDL-launched GEMM may start its W loads (skinny_gemm.py)
     tid, _, _ = cute.arch.thread_idx()
     pick, tile, _ = cute.arch.block_idx()
     lane = tid % 32

@@ -103,6 +103,7 @@ def _lane_best(code: Any, n: int) -> tuple[Int32, Int32]:
 @cute.kernel
 def _router_kernel(logits_ptr: cute.Pointer, bias_ptr: cute.Pointer, w_ptr: cute.Pointer, ids_ptr: cute.Pointer,
                    m: Int32, n_experts: Constexpr, top_k: Constexpr, renormalize: Constexpr, scale: Constexpr):
+    cute.arch.griddepcontrol_launch_dependents()  # a PDL-launched GEMM may start its W loads (skinny_gemm.py)
     lane, _, _ = cute.arch.thread_idx()
     row, _, _ = cute.arch.block_idx()
     per_lane = n_experts // 32

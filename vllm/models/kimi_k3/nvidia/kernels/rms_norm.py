@@ -189,6 +189,7 @@ class RmsNormPlan:
 @cute.kernel
 def _rms_norm_kernel(x_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer, m: Int32,
                      eps: Float32, plan: Constexpr):
+    cute.arch.griddepcontrol_launch_dependents()  # a PDL-launched GEMM may start its W loads (skinny_gemm.py)
     tid, _, _ = cute.arch.thread_idx()
     row, _, _ = cute.arch.block_idx()
     vecs, threads = plan.vecs, plan.threads

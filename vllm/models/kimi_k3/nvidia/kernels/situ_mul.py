@@ -52,6 +52,7 @@ class SituPlan:
 
 @cute.kernel
 def _situ_mul_kernel(x_ptr: cute.Pointer, out_ptr: cute.Pointer, m: Int32, plan: Constexpr):
+    cute.arch.griddepcontrol_launch_dependents()  # a PDL-launched GEMM may start its W loads (skinny_gemm.py)
     tid, _, _ = cute.arch.thread_idx()
     tile, row, _ = cute.arch.block_idx()
     x = row_vectors(x_ptr, m, 2 * plan.width, plan.in_stride)

@@ -27,6 +27,11 @@ Design (decode is memory-bound: read every weight byte once, at HBM speed):
 - A warp owns R row tiles (16·R rows) and walks K in chunks of 16·A, loading chunk i+1 while it
   multiplies chunk i. The warps of a CTA split N (warps_n) and K (warps_k); K is also split
   across CTAs (`splits`) where N alone gives too few CTAs to keep enough bytes in flight.
+- Launched with programmatic dependent launch (PDL): every kernel of the step releases its
+  dependents first, so this grid's CTAs start while the previous kernel runs, put their first W
+  chunk in flight, and wait (griddepcontrol.wait: the previous grid done, its writes visible)
+  before they read x or write anything. Measured on 2026-12-04 before this form landed (kernels/
+  README.md): 1.07× on the TP16 step at one row, 1.05× at eight.
 - Partial sums meet in shared memory (across warps_k) and, with splits > 1, in an FP32
   workspace: the last CTA of an N tile to arrive (one counter per tile, reset by that CTA) adds
   the splits in a fixed order and writes y, so results are deterministic and one launch does
@@ -210,6 +215,7 @@ def _skinny_gemm_kernel(
     row_tiles: Constexpr, chunk_atoms: Constexpr, x_atoms: Constexpr,
     warps_n: Constexpr, warps_k: Constexpr, splits: Constexpr, ops: Constexpr,
 ):
+    cute.arch.griddepcontrol_launch_dependents()
     tid, _, _ = cute.arch.thread_idx()
     tile, split, head = cute.arch.block_idx()
     lane = tid % 32
@@ -247,6 +253,9 @@ def _skinny_gemm_kernel(
     if my_chunks > 0:
         _load_chunk(w_vec, w_next, head, w_row0, w_rows, n,
                     (c_begin + wk) * (chunk_k // 8) + c * (lane_elems // 8), lane_elems // 8, k, k_tail)
+    # launched as a PDL dependent: the first W chunk (which no kernel writes) is in flight while the
+    # previous kernel finishes; x, y and the split-K scratch are touched only after its results are
+    cute.arch.griddepcontrol_wait()
     for it in cutlass.range(my_chunks):
         chunk = c_begin + wk + it * warps_k
         # chunk i+1 is in flight while chunk i is multiplied
@@ -343,6 +352,7 @@ def _skinny_gemm_host(
         grid=((n + block_n - 1) // block_n, splits, ops.heads),
         block=(32 * warps_n * warps_k, 1, 1),
         stream=stream,
+        use_pdl=True,
     )
 
 

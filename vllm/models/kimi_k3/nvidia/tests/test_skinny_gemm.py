@@ -132,6 +132,11 @@ def test_compiles_for_arch(arch, name, m_atoms, tmp_path):
     assert not re.search(r"\b(ld|st)\.local", ptx), "registers spilled to local memory"
     if t.splits > 1:
         assert "atom" in ptx  # the split-K arrival counter
+    # PDL: dependents released first, the first W chunk in flight before the wait on the previous
+    # kernel, and nothing that reads x (the MMAs) before it
+    order = [ptx.index(op) for op in ("griddepcontrol.launch_dependents", "ld.global.v4", "griddepcontrol.wait",
+                                      "mma.sync")]
+    assert order == sorted(order), order
 
 
 # the step's operand layouts and epilogues at TP16's shapes (K3: 6 MLA heads a rank, fused_a
