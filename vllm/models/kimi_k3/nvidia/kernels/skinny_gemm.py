@@ -117,32 +117,41 @@ class Operands:
 def choose_tiling(n: int, k: int, m_atoms: int, sm_count: int, heads: int = 1) -> Tiling:
     """The tiling measured best on the H200 for each class of K3 shape (kernels/README.md).
 
-    M <= 16: one 16-row tile and 128-wide chunks per warp; larger M: two tiles per warp, so each
-    x fragment feeds twice the MMAs, and 64-wide chunks so the accumulators fit. CTAs of 8 warps,
-    2 along N × 4 along K, or 1 × 8 where N alone fills the resident CTAs and that fills their
-    last wave better; with fewer than 4 chunks, one warp per chunk along K. K splits across
-    CTAs up to the resident CTAs, rounded down (a second, mostly empty wave cost kda_in_proj@tp16
-    at M = 1 20.8 against 16.1 µs), keeping at least one chunk per warp. Heads multiply the
-    CTAs along N (a grid axis of their own).
+    M <= 16 and K >= 512 (`sweep_skinny_tiling`, 2026-12-04, TP16 at M = 1 and 8): one 16-row
+    tile and 64-wide chunks per warp, CTAs of 16 warps all along K, so that many small loads are in
+    flight per row tile; 2 along N × 8 along K where K is shorter than 64 chunks and N alone gives
+    every SM a CTA (an even share of K per warp then beats more warps on it: moe_latent_up@tp16
+    13.0 against 13.7 µs). Shorter K at M <= 16: one tile and 128-wide chunks, CTAs of 2 × 4 warps
+    (shared_down@tp16 2.33 µs, the sweep's best). Larger M (sweeps of 2026-12-03 at M = 64): two
+    tiles and 64-wide chunks per warp, so each x fragment feeds twice the MMAs, CTAs of 2 × 4 warps,
+    or 1 × 8 where N alone fills the resident CTAs and that fills their last wave better. With
+    fewer chunks than warps along K, one warp per chunk. K splits across CTAs up to the resident
+    CTAs, rounded down (a second, mostly empty wave cost kda_in_proj@tp16 at M = 1 20.8 against
+    16.1 µs), keeping at least one chunk per warp. Heads multiply the CTAs along N (a grid axis of
+    their own).
     """
     small_m = m_atoms <= 2
-    row_tiles, chunk_atoms, x_atoms = (1, 8, 4) if small_m else (2, 4, 2)
+    deep = small_m and k >= 512  # the 16-warp CTAs along K
+    row_tiles, chunk_atoms, x_atoms = (1, 8, 4) if small_m and not deep else (1 if small_m else 2, 4, 2)
     if k <= 128:  # a single chunk: the wider one saves a loop trip
         chunk_atoms = 8
-    resident = (2 if small_m else 1) * sm_count  # CTAs of 8 warps that fit at once
     chunks = -(-k // (16 * chunk_atoms))
+    resident = 2 * sm_count if small_m else sm_count  # CTAs that fit at once
+
+    def ctas_n(warps_n: int) -> int:
+        return heads * -(-n // (16 * row_tiles * warps_n))
 
     def last_wave_fill(ctas: int) -> float:
         return ctas / (-(-ctas // resident) * resident)
 
     warps_n, warps_k = 2, 4
-    wide, narrow = heads * -(-n // (16 * row_tiles)), heads * -(-n // (32 * row_tiles))
-    if narrow >= resident and last_wave_fill(wide) > last_wave_fill(narrow) + 0.05:
+    if deep:
+        warps_n, warps_k = (2, 8) if chunks < 64 and ctas_n(2) >= sm_count else (1, 16)
+    elif not small_m and ctas_n(2) >= resident and last_wave_fill(ctas_n(1)) > last_wave_fill(ctas_n(2)) + 0.05:
         warps_n, warps_k = 1, 8
     if chunks < warps_k:
-        warps_n, warps_k = max(1, 8 // chunks), chunks
-    tiles_n = heads * -(-n // (16 * row_tiles * warps_n))
-    splits = max(1, min(resident // tiles_n, chunks // warps_k))
+        warps_n, warps_k = max(1, warps_n * warps_k // chunks), chunks
+    splits = max(1, min(resident // ctas_n(warps_n), chunks // warps_k))
     return Tiling(row_tiles, chunk_atoms, x_atoms, warps_n, warps_k, splits)
 
 
