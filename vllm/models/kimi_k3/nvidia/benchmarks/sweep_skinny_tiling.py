@@ -1,9 +1,7 @@
 """Tiling sweep of the skinny GEMM (kernels/skinny_gemm.py) on the GPU, shape by shape.
 
-`choose_tiling` picks by class of shape from measurements of 2026-12-03, and at TP16 the
-projections of 30 MB and more read only 0.63–0.83 of the copy bandwidth at M = 1 and 0.56–0.75
-at M = 8 (`skinny_gemm_bench.json`).
-This times the launchable tilings of each K3 per-rank shape beside the pick, so that the
+`choose_tiling` picks by class of shape; its M <= 16 rules come from this sweep's run of
+2026-12-04 (kernels/README.md), its M > 16 rules from sweeps of 2026-12-03. This times the launchable tilings of each K3 per-rank shape beside the pick, so that the
 heuristic can follow measurements:
 
     python -m vllm.models.kimi_k3.nvidia.benchmarks.sweep_skinny_tiling --out $OUT/skinny_tiling_sweep.json
