@@ -5,16 +5,21 @@
 
 Builds the same per-rank 12-layer K3 block as `decode_latency.py` (seeded random weights,
 one GPU, collectives not timed), captures the bucket's graph, replays it `--steps` times
-under `torch.profiler` and sums the GPU time of every kernel per step. Prints the kernels
-by share of the step (name, launches per step, µs per step, share) and, beside the total,
-the span of one replay measured with CUDA events: their difference is the time the GPU sat
-between kernels (launch gaps and tails). A diagnostic, not evidence: it tells which kernel
-to work on next; `decode_latency.py` measures the figures that are recorded.
+under `torch.profiler` and sums the GPU time of every kernel per step. Under PDL a kernel
+starts while the previous one runs (the skinny GEMM prefetches weights, then waits), so those
+sums overlap; each instant of GPU time is therefore also charged to the oldest kernel running
+then, the one the others wait on (`critical_us`: these add up to the GPU's busy time, nothing
+counted twice). Prints the kernels by that share (name, launches per step, own µs, critical
+µs, share) and, beside the busy time, the span of one replay measured with CUDA events: their
+difference is the time the GPU sat between kernels (launch gaps and tails). A diagnostic, not
+evidence: it tells which kernel to work on next; `decode_latency.py` measures the figures that
+are recorded.
 """
 
 from __future__ import annotations
 
 import argparse
+import heapq
 import json
 import re
 import sys
@@ -36,20 +41,44 @@ def short_name(kernel: str) -> str:
     return name[:90]
 
 
+def critical_us(spans: list[tuple[float, float, str]]) -> dict[str, float]:
+    """Per name, the µs in which a kernel of that name was the oldest one running, over
+    (start, end, name) intervals: the busy time split among the kernels with nothing counted
+    twice (their sum is the union of the intervals)."""
+    spans = sorted(spans)
+    bounds = sorted({t for start, end, _ in spans for t in (start, end)})
+    out: dict[str, float] = defaultdict(float)
+    running: list[tuple[float, float, str]] = []  # a heap: the oldest start on top
+    i = 0
+    for a, b in zip(bounds, bounds[1:]):
+        while i < len(spans) and spans[i][0] <= a:
+            heapq.heappush(running, spans[i])
+            i += 1
+        while running and running[0][1] <= a:  # ended: dropped once it is the oldest
+            heapq.heappop(running)
+        if running:
+            out[running[0][2]] += b - a
+    return out
+
+
 def kernel_table(events, steps: int) -> list[dict]:
-    """Per kernel name: launches and GPU µs per step, largest first."""
+    """Per kernel name: launches, own GPU µs and critical µs per step, largest critical first."""
     calls: dict[str, int] = defaultdict(int)
     total: dict[str, float] = defaultdict(float)
+    spans = []
     for e in events:
         if e.device_type == torch.autograd.DeviceType.CUDA:
             name = short_name(e.name)
             calls[name] += 1
             total[name] += e.device_time
-    rows = [{"kernel": k, "launches_per_step": calls[k] / steps, "us_per_step": total[k] / steps} for k in total]
-    rows.sort(key=lambda r: -r["us_per_step"])
-    busy = sum(r["us_per_step"] for r in rows)
+            spans.append((e.time_range.start, e.time_range.end, name))
+    critical = critical_us(spans)
+    rows = [{"kernel": k, "launches_per_step": calls[k] / steps, "us_per_step": total[k] / steps,
+             "critical_us_per_step": critical[k] / steps} for k in total]
+    rows.sort(key=lambda r: -r["critical_us_per_step"])
+    busy = sum(r["critical_us_per_step"] for r in rows)
     for r in rows:
-        r["share"] = r["us_per_step"] / busy if busy else 0.0
+        r["share"] = r["critical_us_per_step"] / busy if busy else 0.0
     return rows
 
 
@@ -97,14 +126,17 @@ def profile_bucket(ex: SpecializedDecode, model, key: tuple[int, int], args, gen
             ex.replay(key)
         torch.cuda.synchronize()
     table = kernel_table(prof.events(), args.steps)
-    busy = sum(r["us_per_step"] for r in table)
-    print(f"TP{args.tp} rows {rows} q {q} ctx {args.context}: replay {span_us:.1f} us, kernels busy "
-          f"{busy:.1f} us ({sum(r['launches_per_step'] for r in table):.0f} launches), idle {span_us - busy:.1f} us")
-    print(f"{'kernel':90s} {'n':>5s} {'us':>8s} {'share':>6s}")
+    busy = sum(r["critical_us_per_step"] for r in table)
+    own = sum(r["us_per_step"] for r in table)
+    print(f"TP{args.tp} rows {rows} q {q} ctx {args.context}: replay {span_us:.1f} us, GPU busy {busy:.1f} us "
+          f"({sum(r['launches_per_step'] for r in table):.0f} launches), idle {span_us - busy:.1f} us; "
+          f"kernels' own times {own:.1f} us, {own - busy:.1f} of them overlapped (PDL)")
+    print(f"{'kernel':90s} {'n':>5s} {'own us':>8s} {'crit us':>8s} {'share':>6s}")
     for r in table[:args.top]:
-        print(f"{r['kernel']:90s} {r['launches_per_step']:5.0f} {r['us_per_step']:8.1f} {r['share']:6.1%}")
+        print(f"{r['kernel']:90s} {r['launches_per_step']:5.0f} {r['us_per_step']:8.1f} "
+              f"{r['critical_us_per_step']:8.1f} {r['share']:6.1%}")
     return {"tp": args.tp, "rows": rows, "q": q, "context": args.context, "replay_us": span_us, "busy_us": busy,
-            "kernels": table}
+            "own_us": own, "kernels": table}
 
 
 if __name__ == "__main__":
