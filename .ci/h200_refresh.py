@@ -8,7 +8,8 @@ the lent machine runs now: `python3 -m`, records into $K3_EVIDENCE_DIR, GPU test
 `-m gpu`, coverage through `record_coverage`, sanitizer and `record-tests` records through
 `fast-track record-sanitizer` / `record-tests` with the record's own sources; a GPU test whose
 record was never committed runs too (`unrecorded_steps`). Each command appears once
-(bench_norms writes three records) with a time limit from its kind and, where the
+(bench_norms writes three records), in the order of KIND_ORDER (kernel tests first, sanitizer
+runs last; the longest first within a kind), with a time limit from its kind and, where the
 record says how long it ran (`wall_s`), the time it is expected to take, so `step` skips what
 cannot finish in the call and a later call picks it up: copy the records of one call into
 evidence/h200/ (uncommitted is enough, the working tree travels) before the next. Records whose
@@ -43,6 +44,11 @@ LIMIT_BY_FILE = {"executor_depth_parity.json": 450, "executor_long_runs.json": 4
                  "executor_long_runs_tp8.json": 450, "executor_long_runs_tp8_rows64.json": 520,
                  "pinned_routing_parity.json": 300}
 DEFAULT_LIMIT = 150
+# the order a refresh runs in, when one call cannot hold every stale record: the kernels' own
+# tests first (every other record stands on them), then the executor's parity, the evals, the
+# decode benchmarks, the kernel benchmarks and the sanitizer runs; the longest first within a kind,
+# so that `step`, which skips what does not fit and goes on, fills a call's budget with what is left
+KIND_ORDER = ("kernel-test", "parity", "eval", "decode-bench", "kernel-bench", "sanitizer")
 # a record that says how long its run took (`wall_s`) is expected to take this much again, so a
 # call fits as many as its budget holds; the limit stays, raised to twice that where it is lower.
 # On 2026-12-04 nine records re-ran at 0.65-1.11x their previous wall_s, and each step took its
@@ -105,6 +111,15 @@ def device_command(record: Record) -> list[str] | None:
     if head in ("python", "python3") and len(words) > 2 and words[1] == "-m":
         return ["python3", *map(_retarget, words[1:])]
     return None
+
+
+def by_priority(records: list[Record]) -> list[Record]:
+    """The records in KIND_ORDER (kinds not named last), the longest last run first within a kind."""
+    def key(record: Record) -> tuple[int, float]:
+        wall = record.data.get("wall_s")
+        rank = KIND_ORDER.index(record.kind) if record.kind in KIND_ORDER else len(KIND_ORDER)
+        return rank, -(wall if isinstance(wall, (int, float)) else 0.0)
+    return sorted(records, key=key)
 
 
 def step_lines(records: list[Record]) -> list[str]:
@@ -204,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(models) != 1:
         sys.exit(f"h200_refresh: {len(models)} model folders here; pass --model DIR")
     (model,) = models
-    lines = step_lines(gpu_records(stale_records(model))) + unrecorded_steps(model.path, model.root)
+    lines = step_lines(by_priority(gpu_records(stale_records(model)))) + unrecorded_steps(model.path, model.root)
     print("\n".join(on_gpus(lines, args.gpus)))
     return 0
 

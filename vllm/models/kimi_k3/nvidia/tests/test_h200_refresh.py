@@ -123,6 +123,15 @@ def test_a_record_that_says_how_long_it_ran_is_expected_to_take_that_again():
     assert [s[:2] for s in _run_steps(lines)] == [["a", "150"], ["b", "480"], ["c", "150"]]  # limit >= 2 x expected
 
 
+def test_stale_records_run_kernel_tests_first_and_the_longest_first_within_a_kind():
+    records = [_record("a", "bench.json", "kernel-bench", wall_s=40), _record("b", "san.json", "sanitizer"),
+               _record("c", "long.json", "parity", wall_s=300), _record("d", "t.json", "kernel-test"),
+               _record("e", "short.json", "parity", wall_s=60), _record("f", "odd.json", "other"),
+               _record("g", "ev.json", "eval", wall_s=100), _record("h", "db.json", "decode-bench", wall_s=90)]
+    assert [r.rel.rsplit("/", 1)[1] for r in refresh.by_priority(records)] == \
+        ["t.json", "long.json", "short.json", "ev.json", "db.json", "bench.json", "san.json", "odd.json"]
+
+
 def test_step_skips_by_what_a_step_is_expected_to_take_and_cuts_its_limit_to_the_budget(tmp_path):
     """The `step` of .ci/h200_call.sh itself: EXPECT decides the skip for its own call only, and
     a limit beyond what is left of BUDGET is cut to it."""
