@@ -26,6 +26,7 @@ from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (FULL_LAYERS, c
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import RoundingNoiseOps, TorchOps
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_parity
+from vllm.models.kimi_k3.nvidia.tests._util import free_all
 
 CONTEXT = 1000
 MIN_STEPS = 16
@@ -57,12 +58,6 @@ def record():
                   SOURCES, RESULTS)
 
 
-def _free_all(state) -> None:
-    for r, used in enumerate(state.in_use):
-        if used:
-            state.free(r)
-
-
 def rule_power(form: str, block_args: dict, buckets: list[tuple[int, int]]) -> list[dict]:
     """Per bucket: the yardstick's and the null's summaries against the graphed standard table
     over the same steps and tokens, and the rule's verdict on the null."""
@@ -77,7 +72,7 @@ def rule_power(form: str, block_args: dict, buckets: list[tuple[int, int]]) -> l
     out = []
     for rows, q in buckets:
         for ex in (ref, other, noisy):
-            _free_all(ex.state)
+            free_all(ex.state)
         gen = torch.Generator(device="cuda").manual_seed(rows * 10 + q)
         slots = fill_state(ref.state, rows // q, CONTEXT, gen)
         copy_state(noisy.state, ref.state)
