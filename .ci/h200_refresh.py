@@ -113,12 +113,17 @@ def device_command(record: Record) -> list[str] | None:
     return None
 
 
+def _last_wall_s(record: Record) -> float | None:
+    """How long the record's last run took, where it says."""
+    wall = record.data.get("wall_s")
+    return float(wall) if isinstance(wall, (int, float)) and wall > 0 else None
+
+
 def by_priority(records: list[Record]) -> list[Record]:
     """The records in KIND_ORDER (kinds not named last), the longest last run first within a kind."""
     def key(record: Record) -> tuple[int, float]:
-        wall = record.data.get("wall_s")
         rank = KIND_ORDER.index(record.kind) if record.kind in KIND_ORDER else len(KIND_ORDER)
-        return rank, -(wall if isinstance(wall, (int, float)) else 0.0)
+        return rank, -(_last_wall_s(record) or 0.0)
     return sorted(records, key=key)
 
 
@@ -137,8 +142,8 @@ def step_lines(records: list[Record]) -> list[str]:
             continue
         seen.add(text)
         limit = LIMIT_BY_FILE.get(Path(record.rel).name, LIMIT_BY_KIND.get(record.kind, DEFAULT_LIMIT))
-        wall = record.data.get("wall_s")
-        if isinstance(wall, (int, float)) and wall > 0:  # its last run's time, with headroom
+        wall = _last_wall_s(record)
+        if wall is not None:  # its last run's time, with headroom
             expect = math.ceil(EXPECT_FACTOR * wall) + EXPECT_EXTRA_S
             lines.append(f"EXPECT={expect} step {name} {max(limit, 2 * expect)} {text}")
         else:
