@@ -15,7 +15,9 @@ cannot finish in the call and a later call picks it up: copy the records of one 
 evidence/h200/ (uncommitted is enough, the working tree travels) before the next. Records whose
 command it cannot rewrite are echoed as skipped, never run half-right. Records made on a CPU (no
 `gpu`) are left to the CPU. On a host of several GPUs (`--gpus N`, which refresh_stale passes)
-the steps run as N queues side by side, one per GPU (`on_gpus`).
+the steps run as N queues side by side, one per GPU (`on_gpus`); with `--lanes L` the checks
+(every kind but the timed ones) share each GPU in L lanes, and the timed records run after them,
+alone on their GPU.
 """
 
 from __future__ import annotations
@@ -55,6 +57,16 @@ KIND_ORDER = ("kernel-test", "parity", "eval", "decode-bench", "kernel-bench", "
 # new wall_s plus 1-4 s (startup): 1.15x + 10 s covers both, where 1.3x + 15 s left ~100 s unused
 # in a call holding the depth test (334 s)
 EXPECT_FACTOR, EXPECT_EXTRA_S = 1.15, 10
+# the kinds whose figures are times: with lanes they run after the checks, alone on their GPU
+TIMED_KINDS = ("decode-bench", "kernel-bench")
+# the checks that hold a 12-layer K3 block with all 896 experts (~55 GB of bf16 experts at TP16,
+# ~80 GB at TP8, K3_MATH.md §5): two at once could exhaust an H200's 141 GB, so with lanes they
+# take turns in a GPU's first lane. The depth test (32 experts), the evals (the tiny model) and
+# the kernels' tests fit beside one; the depth test and the evals are bound by the host's launches
+# (eager lockstep), so sharing the GPU with a long run's graph replays costs either little
+HOLDS_A_BLOCK = frozenset({"executor_long_runs.json", "executor_long_runs_rows64.json", "executor_long_runs_mid.json",
+                           "executor_long_runs_tp8.json", "executor_long_runs_tp8_rows64.json",
+                           "pinned_routing_parity.json"})
 EV = "$K3_EVIDENCE_DIR"
 # a folder the records were written to on the device, in any session: /root/out/ev, /root/out/w/ev
 _DEVICE_EV = re.compile(r"^/root/out(/w)?/ev(/|$)")
@@ -182,27 +194,60 @@ def _expected_s(line: str) -> int:
     return int(m.group(1) or m.group(2))
 
 
-def on_gpus(lines: list[str], gpus: int) -> list[str]:
-    """The lines as they run on `gpus` GPUs of one host: one queue per GPU, each step put on
-    the queue with the least expected time so far, longest step first; the queues run side by
+def _queue(lines: list[str], slots: int, only: dict[str, list[int]]) -> list[list[str]]:
+    """The step lines dealt to `slots` queues: each step, in the order given (the refresh's
+    priority), to the queue with the least expected time so far among those it may take (`only`:
+    step name -> its queues; all by default)."""
+    queues: list[list[str]] = [[] for _ in range(slots)]
+    load = [0] * slots
+    for line in lines:
+        slot = min(only.get(_name(line), range(slots)), key=lambda i: load[i])
+        queues[slot].append(line)
+        load[slot] += _expected_s(line)
+    return queues
+
+
+def _name(line: str) -> str:
+    return re.match(r"(?:EXPECT=\d+ )?step (\S+) ", line).group(1)
+
+
+def _side_by_side(queues: dict[str, tuple[int, list[str]]]) -> list[str]:
+    """Each queue (its transcript's name -> (GPU, steps)) in a subshell pinned to its GPU, all run
+    side by side until every one is done."""
+    out = []
+    for label, (gpu, queue) in queues.items():
+        if queue:
+            out += [f"( export CUDA_VISIBLE_DEVICES={gpu}", *queue, f') > "$W/{label}.out" 2>&1 &']
+    return [*out, "wait"]
+
+
+def on_gpus(lines: list[str], gpus: int, lanes: int = 1, timed: frozenset[str] = frozenset(),
+            holds_a_block: frozenset[str] = frozenset()) -> list[str]:
+    """The lines as they run on `gpus` GPUs of one host: one queue per GPU, each step, in the
+    order given, put on the queue with the least expected time so far; the queues run side by
     side (CUDA_VISIBLE_DEVICES pins each), their transcripts printed once all are done. A GPU
-    runs one step at a time, so a benchmark still times a GPU no other step uses. With one GPU,
-    the lines as they are."""
-    if gpus <= 1:
+    runs one step at a time, so a benchmark still times a GPU no other step uses. With `lanes`
+    above 1, the steps not named in `timed` run first in `lanes` queues per GPU (those named in
+    `holds_a_block` one at a time, in each GPU's first lane), then the timed ones, one queue per
+    GPU as before. With one GPU and one lane, the lines as they are."""
+    if gpus <= 1 and lanes <= 1:
         return lines
     said = [line for line in lines if line.startswith("echo ")]
-    steps = sorted((line for line in lines if not line.startswith("echo ")), key=_expected_s, reverse=True)
-    queues: list[list[str]] = [[] for _ in range(gpus)]
-    load = [0] * gpus
-    for line in steps:
-        gpu = load.index(min(load))
-        queues[gpu].append(line)
-        load[gpu] += _expected_s(line)
+    steps = [line for line in lines if not line.startswith("echo ")]
+    if lanes <= 1:
+        phases = [("gpu{gpu}", steps, 1, {})]
+    else:
+        first_lanes = [gpu * lanes for gpu in range(gpus)]
+        checks = [line for line in steps if _name(line) not in timed]
+        phases = [("gpu{gpu}.lane{lane}", checks, lanes, {_name(line): first_lanes for line in checks
+                                                         if _name(line) in holds_a_block}),
+                  ("gpu{gpu}.timed", [line for line in steps if _name(line) in timed], 1, {})]
     out = list(said)
-    for gpu, queue in enumerate(queues):
-        if queue:
-            out += [f"( export CUDA_VISIBLE_DEVICES={gpu}", *queue, f') > "$W/gpu{gpu}.out" 2>&1 &']
-    return [*out, "wait", 'for f in "$W"/gpu*.out; do echo "--- ${f##*/}"; cat "$f"; done']
+    for label, phase, per_gpu, pinned in phases:
+        queues = _queue(phase, gpus * per_gpu, pinned)
+        out += _side_by_side({label.format(gpu=i // per_gpu, lane=i % per_gpu): (i // per_gpu, q)
+                              for i, q in enumerate(queues)})
+    return [*out, 'for f in "$W"/gpu*.out; do echo "--- ${f##*/}"; cat "$f"; done']
 
 
 def gpu_records(stale: list[tuple[Record, str]]) -> list[Record]:
@@ -214,9 +259,13 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="the model folder (default: the only one discovered)")
     ap.add_argument("--gpus", type=int, default=1, help="GPUs of the lent host to spread the steps over (default 1)")
+    ap.add_argument("--lanes", type=int, default=1,
+                    help="checks run side by side on each GPU, the timed records after them alone (default 1)")
     args = ap.parse_args(argv)
     if args.gpus < 1:
         sys.exit(f"h200_refresh: --gpus must be at least 1, got {args.gpus}")
+    if args.lanes < 1:
+        sys.exit(f"h200_refresh: --lanes must be at least 1, got {args.lanes}")
     try:
         models = discover(Path.cwd(), args.model)
     except ModelError as e:
@@ -224,8 +273,10 @@ def main(argv: list[str] | None = None) -> int:
     if len(models) != 1:
         sys.exit(f"h200_refresh: {len(models)} model folders here; pass --model DIR")
     (model,) = models
-    lines = step_lines(by_priority(gpu_records(stale_records(model)))) + unrecorded_steps(model.path, model.root)
-    print("\n".join(on_gpus(lines, args.gpus)))
+    records = by_priority(gpu_records(stale_records(model)))
+    lines = step_lines(records) + unrecorded_steps(model.path, model.root)
+    timed = frozenset(Path(r.rel).stem for r in records if r.kind in TIMED_KINDS)
+    print("\n".join(on_gpus(lines, args.gpus, args.lanes, timed, frozenset(Path(n).stem for n in HOLDS_A_BLOCK))))
     return 0
 
 

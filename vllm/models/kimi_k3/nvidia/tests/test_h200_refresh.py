@@ -166,22 +166,47 @@ def test_a_gpu_test_whose_record_was_never_committed_gets_a_step(tmp_path):
     assert not [line for line in here if "test_h200_refresh.py" in line]
 
 
-def test_on_several_gpus_each_step_runs_once_on_the_least_loaded_queue_longest_first(tmp_path):
+def _run_script(script: list[str], tmp_path) -> str:
+    """The script with a `step` that only says where it ran."""
+    return subprocess.run(
+        ["bash", "-c", f'W={tmp_path}\nstep() {{ echo "ran $1 on GPU $CUDA_VISIBLE_DEVICES"; }}\n' + "\n".join(script)],
+        capture_output=True, text=True, check=True).stdout
+
+
+def test_on_several_gpus_each_step_runs_once_on_the_least_loaded_queue_in_priority_order(tmp_path):
     if shutil.which("bash") is None:
         pytest.skip("no bash")
     lines = ["EXPECT=300 step a 600 true", "step c 150 true", "EXPECT=200 step b 400 true",
              "echo '=== x: skipped, no rewrite for: y'", "EXPECT=100 step d 200 true"]
     script = refresh.on_gpus(lines, 2)
     assert refresh.on_gpus(lines, 1) == lines
-    ran = subprocess.run(
-        ["bash", "-c", f'W={tmp_path}\nstep() {{ echo "ran $1 on GPU $CUDA_VISIBLE_DEVICES"; }}\n' + "\n".join(script)],
-        capture_output=True, text=True, check=True).stdout
-    # a (300) and b (200) open the queues, c (150) joins b's, d (100) joins a's
-    for name, gpu in {"a": 0, "b": 1, "c": 1, "d": 0}.items():
+    ran = _run_script(script, tmp_path)
+    # a (300) and c (150) open the queues, b (200) joins c's, d (100) a's (300 against 350)
+    for name, gpu in {"a": 0, "c": 1, "b": 1, "d": 0}.items():
         assert ran.count(f"ran {name} on GPU") == 1 and f"ran {name} on GPU {gpu}" in ran
     assert "=== x: skipped" in ran
-    assert ran.index("ran a") < ran.index("ran d") and ran.index("ran b") < ran.index("ran c")
+    assert ran.index("ran a") < ran.index("ran d") and ran.index("ran c") < ran.index("ran b")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu0.out", "gpu1.out"]
+
+
+def test_in_lanes_the_checks_share_a_gpu_the_blocks_take_turns_and_the_timed_run_alone(tmp_path):
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    lines = ["EXPECT=300 step block_a 600 true", "EXPECT=50 step check 100 true", "EXPECT=100 step block_b 200 true",
+             "EXPECT=80 step bench 200 true", "EXPECT=20 step check2 100 true"]
+    script = refresh.on_gpus(lines, 1, 2, timed=frozenset({"bench"}), holds_a_block=frozenset({"block_a", "block_b"}))
+    # the two blocks in the first lane, though the second is emptier; the checks beside them
+    lane0 = script[:script.index(') > "$W/gpu0.lane0.out" 2>&1 &')]
+    assert [line.split()[2] for line in lane0[1:]] == ["block_a", "block_b"]
+    lane1 = script[len(lane0) + 1:script.index(') > "$W/gpu0.lane1.out" 2>&1 &')]
+    assert [line.split()[2] for line in lane1[1:]] == ["check", "check2"]
+    # the bench only after every check is done, alone
+    first_wait = script.index("wait")
+    assert any("step bench" in line for line in script[first_wait:]) and \
+        not any("step bench" in line for line in script[:first_wait])
+    ran = _run_script(script, tmp_path)
+    assert all(ran.count(f"ran {n} on GPU 0") == 1 for n in ("block_a", "block_b", "check", "check2", "bench"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu0.lane0.out", "gpu0.lane1.out", "gpu0.timed.out"]
 
 
 def test_more_gpus_than_steps_leaves_the_rest_idle_and_no_gpus_is_refused(capsys):
@@ -189,6 +214,8 @@ def test_more_gpus_than_steps_leaves_the_rest_idle_and_no_gpus_is_refused(capsys
     assert sum(line.startswith("( export CUDA_VISIBLE_DEVICES=") for line in script) == 1
     with pytest.raises(SystemExit, match="--gpus must be at least 1"):
         refresh.main(["--gpus", "0"])
+    with pytest.raises(SystemExit, match="--lanes must be at least 1"):
+        refresh.main(["--lanes", "0"])
 
 
 def test_the_call_refuses_a_commit_taken_from_an_older_git_in_the_device_copy(tmp_path):
