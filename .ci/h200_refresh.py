@@ -214,11 +214,12 @@ def _name(line: str) -> str:
 def _side_by_side(queues: dict[str, tuple[int, list[str]]]) -> list[str]:
     """Each queue (its transcript's name -> (GPU, steps)) in a subshell pinned to its GPU, all run
     side by side until every one is done."""
-    out = []
+    out = ["queued=()"]
     for label, (gpu, queue) in queues.items():
         if queue:
-            out += [f"( export CUDA_VISIBLE_DEVICES={gpu}", *queue, f') > "$W/{label}.out" 2>&1 &']
-    return [*out, "wait"]
+            out += [f"( export CUDA_VISIBLE_DEVICES={gpu}", *queue, f') > "$W/{label}.out" 2>&1 &', "queued+=($!)"]
+    # only these: a bare `wait` would also wait for whatever else the call left in the background
+    return [*out, 'wait "${queued[@]}"']
 
 
 def on_gpus(lines: list[str], gpus: int, lanes: int = 1, timed: frozenset[str] = frozenset(),
@@ -228,8 +229,8 @@ def on_gpus(lines: list[str], gpus: int, lanes: int = 1, timed: frozenset[str] =
     side (CUDA_VISIBLE_DEVICES pins each), their transcripts printed once all are done. A GPU
     runs one step at a time, so a benchmark still times a GPU no other step uses. With `lanes`
     above 1, the steps not named in `timed` run first in `lanes` queues per GPU (those named in
-    `holds_a_block` one at a time, in each GPU's first lane), then the timed ones, one queue per
-    GPU as before. With one GPU and one lane, the lines as they are."""
+    `holds_a_block` one at a time, in each GPU's first lane, which the others leave to them),
+    then the timed ones, one queue per GPU as before. With one GPU and one lane, the lines as they are."""
     if gpus <= 1 and lanes <= 1:
         return lines
     said = [line for line in lines if line.startswith("echo ")]
@@ -238,9 +239,13 @@ def on_gpus(lines: list[str], gpus: int, lanes: int = 1, timed: frozenset[str] =
         phases = [("gpu{gpu}", steps, 1, {})]
     else:
         first_lanes = [gpu * lanes for gpu in range(gpus)]
+        other_lanes = [i for i in range(gpus * lanes) if i % lanes]
         checks = [line for line in steps if _name(line) not in timed]
-        phases = [("gpu{gpu}.lane{lane}", checks, lanes, {_name(line): first_lanes for line in checks
-                                                         if _name(line) in holds_a_block}),
+        # while blocks are queued the first lanes are theirs, so a long check cannot hold one up
+        blocks = any(_name(line) in holds_a_block for line in checks)
+        phases = [("gpu{gpu}.lane{lane}", checks, lanes,
+                   {_name(line): first_lanes if _name(line) in holds_a_block else other_lanes
+                    for line in checks if blocks}),
                   ("gpu{gpu}.timed", [line for line in steps if _name(line) in timed], 1, {})]
     out = list(said)
     for label, phase, per_gpu, pinned in phases:

@@ -166,11 +166,11 @@ def test_a_gpu_test_whose_record_was_never_committed_gets_a_step(tmp_path):
     assert not [line for line in here if "test_h200_refresh.py" in line]
 
 
-def _run_script(script: list[str], tmp_path) -> str:
+def _run_script(script: list[str], tmp_path, timeout: float | None = None) -> str:
     """The script with a `step` that only says where it ran."""
     return subprocess.run(
         ["bash", "-c", f'W={tmp_path}\nstep() {{ echo "ran $1 on GPU $CUDA_VISIBLE_DEVICES"; }}\n' + "\n".join(script)],
-        capture_output=True, text=True, check=True).stdout
+        capture_output=True, text=True, check=True, timeout=timeout).stdout
 
 
 def test_on_several_gpus_each_step_runs_once_on_the_least_loaded_queue_in_priority_order(tmp_path):
@@ -192,20 +192,24 @@ def test_on_several_gpus_each_step_runs_once_on_the_least_loaded_queue_in_priori
 def test_in_lanes_the_checks_share_a_gpu_the_blocks_take_turns_and_the_timed_run_alone(tmp_path):
     if shutil.which("bash") is None:
         pytest.skip("no bash")
-    lines = ["EXPECT=300 step block_a 600 true", "EXPECT=50 step check 100 true", "EXPECT=100 step block_b 200 true",
+    lines = ["EXPECT=900 step check0 1000 true", "EXPECT=300 step block_a 600 true", "EXPECT=50 step check 100 true",
+             "EXPECT=100 step block_b 200 true",
              "EXPECT=80 step bench 200 true", "EXPECT=20 step check2 100 true"]
     script = refresh.on_gpus(lines, 1, 2, timed=frozenset({"bench"}), holds_a_block=frozenset({"block_a", "block_b"}))
-    # the two blocks in the first lane, though the second is emptier; the checks beside them
+    # the two blocks in the first lane, though the second is emptier; the checks beside them, the
+    # first of them (the longest) not in the blocks' lane though it came first
     lane0 = script[:script.index(') > "$W/gpu0.lane0.out" 2>&1 &')]
+    lane0 = lane0[lane0.index("( export CUDA_VISIBLE_DEVICES=0"):]
     assert [line.split()[2] for line in lane0[1:]] == ["block_a", "block_b"]
-    lane1 = script[len(lane0) + 1:script.index(') > "$W/gpu0.lane1.out" 2>&1 &')]
-    assert [line.split()[2] for line in lane1[1:]] == ["check", "check2"]
+    lane1 = script[script.index(') > "$W/gpu0.lane0.out" 2>&1 &') + 2:script.index(') > "$W/gpu0.lane1.out" 2>&1 &')]
+    assert [line.split()[2] for line in lane1[1:]] == ["check0", "check", "check2"]
     # the bench only after every check is done, alone
-    first_wait = script.index("wait")
+    first_wait = script.index('wait "${queued[@]}"')
     assert any("step bench" in line for line in script[first_wait:]) and \
         not any("step bench" in line for line in script[:first_wait])
-    ran = _run_script(script, tmp_path)
-    assert all(ran.count(f"ran {n} on GPU 0") == 1 for n in ("block_a", "block_b", "check", "check2", "bench"))
+    # a job the call left in the background (a memory log) does not hold the lanes' waits up
+    ran = _run_script(["sleep 60 > /dev/null 2>&1 &", *script], tmp_path, timeout=30)
+    assert all(ran.count(f"ran {n} on GPU 0") == 1 for n in ("block_a", "block_b", "check0", "check", "check2", "bench"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu0.lane0.out", "gpu0.lane1.out", "gpu0.timed.out"]
 
 
