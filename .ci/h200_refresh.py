@@ -17,7 +17,9 @@ command it cannot rewrite are echoed as skipped, never run half-right. Records m
 `gpu`) are left to the CPU. On a host of several GPUs (`--gpus N`, which refresh_stale passes)
 the steps run as N queues side by side, one per GPU (`on_gpus`); with `--lanes L` the checks
 (every kind but the timed ones) share each GPU in L lanes, and the timed records run after them,
-alone on their GPU.
+alone on their GPU. On 2026-12-04 three lanes ran five checks whose last runs took 801 s in one
+580 s call (the depth test 334 -> 472 s, an eval 187 -> 310 s: the lanes share the host's cores
+and the GPU), so a record's `wall_s` from a lane overstates what it takes alone.
 """
 
 from __future__ import annotations
@@ -59,14 +61,15 @@ KIND_ORDER = ("kernel-test", "parity", "eval", "decode-bench", "kernel-bench", "
 EXPECT_FACTOR, EXPECT_EXTRA_S = 1.15, 10
 # the kinds whose figures are times: with lanes they run after the checks, alone on their GPU
 TIMED_KINDS = ("decode-bench", "kernel-bench")
-# the checks that hold a 12-layer K3 block with all 896 experts (~55 GB of bf16 experts at TP16,
-# ~80 GB at TP8, K3_MATH.md §5): two at once could exhaust an H200's 141 GB, so with lanes they
-# take turns in a GPU's first lane. The depth test (32 experts), the evals (the tiny model) and
-# the kernels' tests fit beside one; the depth test and the evals are bound by the host's launches
-# (eager lockstep), so sharing the GPU with a long run's graph replays costs either little
+# the checks that hold a 12-layer K3 block with all 896 experts: two at once could exhaust an
+# H200's 141 GB, so with lanes they take turns in a GPU's first lane, the other checks beside
+# them. Measured on 2026-12-04 (nvidia-smi every 5 s): a TP16 long run with the sanitizer runs
+# beside it peaked at 63 GB; the depth test with two evals at 54 GB; the parity rule's power (a
+# TP16 then a TP8 block) beside those two at 115 GB. So a TP8 block beside two other checks
+# nears the card's memory: LANES=2 (a block and one check) is the safe setting when one is queued
 HOLDS_A_BLOCK = frozenset({"executor_long_runs.json", "executor_long_runs_rows64.json", "executor_long_runs_mid.json",
                            "executor_long_runs_tp8.json", "executor_long_runs_tp8_rows64.json",
-                           "pinned_routing_parity.json"})
+                           "pinned_routing_parity.json", "parity_rule_power.json"})
 EV = "$K3_EVIDENCE_DIR"
 # a folder the records were written to on the device, in any session: /root/out/ev, /root/out/w/ev
 _DEVICE_EV = re.compile(r"^/root/out(/w)?/ev(/|$)")
