@@ -217,12 +217,13 @@ def _name(line: str) -> str:
 def _side_by_side(queues: dict[str, tuple[int, list[str]]]) -> list[str]:
     """Each queue (its transcript's name -> (GPU, steps)) in a subshell pinned to its GPU, all run
     side by side until every one is done."""
-    out = ["queued=()"]
+    out = []
     for label, (gpu, queue) in queues.items():
         if queue:
             out += [f"( export CUDA_VISIBLE_DEVICES={gpu}", *queue, f') > "$W/{label}.out" 2>&1 &', "queued+=($!)"]
-    # only these: a bare `wait` would also wait for whatever else the call left in the background
-    return [*out, 'wait "${queued[@]}"']
+    # only these, and none when none ran: a bare `wait` would also wait for whatever else the call
+    # left in the background (a memory log)
+    return ["queued=()", *out, 'wait "${queued[@]}"'] if out else []
 
 
 def on_gpus(lines: list[str], gpus: int, lanes: int = 1, timed: frozenset[str] = frozenset(),

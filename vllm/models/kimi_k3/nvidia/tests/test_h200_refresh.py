@@ -211,6 +211,10 @@ def test_in_lanes_the_checks_share_a_gpu_the_blocks_take_turns_and_the_timed_run
     ran = _run_script(["sleep 60 > /dev/null 2>&1 &", *script], tmp_path, timeout=30)
     assert all(ran.count(f"ran {n} on GPU 0") == 1 for n in ("block_a", "block_b", "check0", "check", "check2", "bench"))
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu0.lane0.out", "gpu0.lane1.out", "gpu0.timed.out"]
+    # with nothing timed queued, no phase of its own (whose wait, on no job, would wait for all)
+    checks_only = refresh.on_gpus(lines[:2], 1, 2, holds_a_block=frozenset({"block_a"}))
+    assert sum(line.startswith("wait") for line in checks_only) == 1
+    _run_script(["sleep 60 > /dev/null 2>&1 &", *checks_only], tmp_path, timeout=30)
 
 
 def test_more_gpus_than_steps_leaves_the_rest_idle_and_no_gpus_is_refused(capsys):
