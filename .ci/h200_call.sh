@@ -5,6 +5,7 @@
 #   step moe_test 120 python3 -m pytest -q -p no:cacheprovider -m gpu vllm/models/kimi_k3/nvidia/tests/test_moe_kernels.py
 #   step cov 120 record_coverage vllm/models/kimi_k3/nvidia/tests/test_specialized_steps_cuda.py
 #   refresh_stale        # every stale GPU record's command, as steps (.ci/h200_refresh.py)
+#   gpu_memory_log       # first, to learn the peak memory of what ran (printed at exit)
 #
 # Needs, from the CPU side: `.devwheels/` carried (`bash ../shared/device/cutedsl_wheels.sh`,
 # plus a cp312 coverage wheel dropped there for record_coverage, and `bash .ci/carry_xgrammar.sh`
@@ -30,7 +31,7 @@ export PYTHONPATH=/tmp/site/nvidia_cutlass_dsl/dsl_packages:/tmp/site:$PWD PYTHO
 W=$OUT/w
 export W K3_EVIDENCE_DIR=$W/ev
 mkdir -p "$K3_EVIDENCE_DIR"
-trap 'tar czf "$OUT/results.tgz" -C "$OUT" w && rm -rf "$W"' EXIT
+trap 'gpu_memory_peak; tar czf "$OUT/results.tgz" -C "$OUT" w && rm -rf "$W"' EXIT
 BUDGET=${BUDGET:-570}
 
 # [EXPECT=S] step NAME SECONDS CMD...: CMD under a time limit (cut to what is left of BUDGET), its
@@ -50,6 +51,20 @@ step() {
   echo "    $name: exit $rc after $((SECONDS - t)) s"
   tail -"${TAILN:-8}" "$W/$name.log"
   return $rc
+}
+
+# gpu_memory_log: every GPU's used memory (nvidia-smi, every 5 s) into $W/gpu_mem.log while the
+# call runs; gpu_memory_peak (also at exit) stops it and prints the peak, which says how many
+# checks can share a GPU (LANES; .ci/h200_refresh.py has what was measured)
+gpu_memory_log() {
+  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -l 5 > "$W/gpu_mem.log" 2>&1 &
+  GPU_MEMORY_LOG=$!
+}
+gpu_memory_peak() {
+  [ -n "${GPU_MEMORY_LOG:-}" ] || return 0
+  kill "$GPU_MEMORY_LOG" 2>/dev/null
+  GPU_MEMORY_LOG=
+  echo "peak GPU memory: $(awk -F', *' '$2 > m {m = $2} END {print m + 0}' "$W/gpu_mem.log") MiB"
 }
 
 # record_coverage PYTEST_ARGS...: the GPU tests under coverage of kernels/, recorded here, where

@@ -226,6 +226,24 @@ def test_more_gpus_than_steps_leaves_the_rest_idle_and_no_gpus_is_refused(capsys
         refresh.main(["--lanes", "0"])
 
 
+
+def test_the_memory_log_samples_until_stopped_and_reports_the_peak(tmp_path):
+    """gpu_memory_log and gpu_memory_peak of .ci/h200_call.sh, on an nvidia-smi stand-in that
+    prints two GPUs' samples in its -l loop."""
+    if shutil.which("bash") is None or shutil.which("awk") is None:
+        pytest.skip("no bash or awk")
+    text = (ROOT / ".ci/h200_call.sh").read_text()
+    fns = [re.search(rf"^{f}\(\) \{{.*?^\}}", text, re.S | re.M).group(0) for f in ("gpu_memory_log", "gpu_memory_peak")]
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/bash\nwhile true; do echo "0, 61715"; echo "1, 114966"; sleep 0.05; done\n')
+    fake.chmod(0o755)
+    script = "\n".join([f"W={tmp_path}", f"PATH={fake.parent}:$PATH", *fns,
+                        "gpu_memory_log", "sleep 0.3", "gpu_memory_peak", "gpu_memory_peak"])
+    out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True, timeout=20).stdout
+    assert out.strip() == "peak GPU memory: 114966 MiB"  # the second call has nothing left to stop
+    assert "0, 61715" in (tmp_path / "gpu_mem.log").read_text()
+
 def test_the_call_refuses_a_commit_taken_from_an_older_git_in_the_device_copy(tmp_path):
     if shutil.which("bash") is None or shutil.which("git") is None:
         pytest.skip("no bash or git")
