@@ -191,10 +191,18 @@ def unrecorded_steps(model_dir: Path, repo: Path) -> list[str]:
     return lines
 
 
+# a step line: `[EXPECT=S] step NAME LIMIT CMD...`
+_STEP_LINE = re.compile(r"(?:EXPECT=(\d+) )?step (\S+) (\d+) ")
+
+
 def _expected_s(line: str) -> int:
     """The seconds a step line is expected to take: its EXPECT, else its limit."""
-    m = re.match(r"(?:EXPECT=(\d+) )?step \S+ (\d+) ", line)
-    return int(m.group(1) or m.group(2))
+    m = _STEP_LINE.match(line)
+    return int(m.group(1) or m.group(3))
+
+
+def _name(line: str) -> str:
+    return _STEP_LINE.match(line).group(2)
 
 
 def _queue(lines: list[str], slots: int, only: dict[str, list[int]]) -> list[list[str]]:
@@ -208,10 +216,6 @@ def _queue(lines: list[str], slots: int, only: dict[str, list[int]]) -> list[lis
         queues[slot].append(line)
         load[slot] += _expected_s(line)
     return queues
-
-
-def _name(line: str) -> str:
-    return re.match(r"(?:EXPECT=\d+ )?step (\S+) ", line).group(1)
 
 
 def _side_by_side(queues: dict[str, tuple[int, list[str]]]) -> list[str]:
@@ -245,11 +249,11 @@ def on_gpus(lines: list[str], gpus: int, lanes: int = 1, timed: frozenset[str] =
         first_lanes = [gpu * lanes for gpu in range(gpus)]
         other_lanes = [i for i in range(gpus * lanes) if i % lanes]
         checks = [line for line in steps if _name(line) not in timed]
-        # while blocks are queued the first lanes are theirs, so a long check cannot hold one up
-        blocks = any(_name(line) in holds_a_block for line in checks)
-        phases = [("gpu{gpu}.lane{lane}", checks, lanes,
-                   {_name(line): first_lanes if _name(line) in holds_a_block else other_lanes
-                    for line in checks if blocks}),
+        lanes_of = {}
+        if any(_name(line) in holds_a_block for line in checks):
+            # while blocks are queued the first lanes are theirs, so a long check cannot hold one up
+            lanes_of = {_name(line): first_lanes if _name(line) in holds_a_block else other_lanes for line in checks}
+        phases = [("gpu{gpu}.lane{lane}", checks, lanes, lanes_of),
                   ("gpu{gpu}.timed", [line for line in steps if _name(line) in timed], 1, {})]
     out = list(said)
     for label, phase, per_gpu, pinned in phases:

@@ -189,6 +189,13 @@ def test_on_several_gpus_each_step_runs_once_on_the_least_loaded_queue_in_priori
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gpu0.out", "gpu1.out"]
 
 
+def _steps_of(script: list[str], label: str) -> list[str]:
+    """The step names of the queue whose transcript is `label`, in order."""
+    end = script.index(f') > "$W/{label}.out" 2>&1 &')
+    start = max(i for i in range(end) if script[i].startswith("( export CUDA_VISIBLE_DEVICES="))
+    return [refresh._name(line) for line in script[start + 1:end]]
+
+
 def test_in_lanes_the_checks_share_a_gpu_the_blocks_take_turns_and_the_timed_run_alone(tmp_path):
     if shutil.which("bash") is None:
         pytest.skip("no bash")
@@ -198,11 +205,8 @@ def test_in_lanes_the_checks_share_a_gpu_the_blocks_take_turns_and_the_timed_run
     script = refresh.on_gpus(lines, 1, 2, timed=frozenset({"bench"}), holds_a_block=frozenset({"block_a", "block_b"}))
     # the two blocks in the first lane, though the second is emptier; the checks beside them, the
     # first of them (the longest) not in the blocks' lane though it came first
-    lane0 = script[:script.index(') > "$W/gpu0.lane0.out" 2>&1 &')]
-    lane0 = lane0[lane0.index("( export CUDA_VISIBLE_DEVICES=0"):]
-    assert [line.split()[2] for line in lane0[1:]] == ["block_a", "block_b"]
-    lane1 = script[script.index(') > "$W/gpu0.lane0.out" 2>&1 &') + 2:script.index(') > "$W/gpu0.lane1.out" 2>&1 &')]
-    assert [line.split()[2] for line in lane1[1:]] == ["check0", "check", "check2"]
+    assert _steps_of(script, "gpu0.lane0") == ["block_a", "block_b"]
+    assert _steps_of(script, "gpu0.lane1") == ["check0", "check", "check2"]
     # the bench only after every check is done, alone
     first_wait = script.index('wait "${queued[@]}"')
     assert any("step bench" in line for line in script[first_wait:]) and \
