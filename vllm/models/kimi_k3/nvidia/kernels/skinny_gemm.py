@@ -24,12 +24,14 @@ Design (decode is memory-bound: read every weight byte once, at HBM speed):
   and feeds them to its four k-slots of A consecutive atoms. x is read with the same
   permutation, which puts both operands in fragment order without shuffles (x comes from L1/L2:
   it is only M·K·2 bytes).
-- A warp owns R row tiles (16·R rows) and walks K in chunks of 16·A, loading chunk i+1 while it
-  multiplies chunk i. The warps of a CTA split N (warps_n) and K (warps_k); K is also split
+- A warp owns R row tiles (16·R rows) and walks K in chunks of 16·A, loading chunks i+1 … i+ahead
+  while it multiplies chunk i: a ring of ahead + 1 register buffers, the loop unrolled by the
+  ring's length so that every buffer is named at compile time (a copy out of a buffer whose load
+  is in flight would wait for it). The warps of a CTA split N (warps_n) and K (warps_k); K is also split
   across CTAs (`splits`) where N alone gives too few CTAs to keep enough bytes in flight.
 - Launched with programmatic dependent launch (PDL): every kernel of the step releases its
-  dependents first, so this grid's CTAs start while the previous kernel runs, put their first W
-  chunk in flight, and wait (griddepcontrol.wait: the previous grid done, its writes visible)
+  dependents first, so this grid's CTAs start while the previous kernel runs, put their first
+  `ahead` W chunks in flight, and wait (griddepcontrol.wait: the previous grid done, its writes visible)
   before they read x or write anything. Measured on 2026-12-04 before this form landed (kernels/
   README.md): 1.07× on the TP16 step at one row, 1.05× at eight.
 - Partial sums meet in shared memory (across warps_k) and, with splits > 1, in an FP32
@@ -76,12 +78,15 @@ class Tiling:
     warps_n: int
     warps_k: int
     splits: int  # CTAs along K
+    ahead: int = 1  # W chunks a warp has in flight while it multiplies one (and issues before the PDL wait)
 
     def __post_init__(self) -> None:
         if self.chunk_atoms % 2 or self.x_atoms % 2 or self.chunk_atoms % self.x_atoms:
             raise ValueError(f"{self}: chunk_atoms and x_atoms must be even, x_atoms must divide chunk_atoms")
         if not 1 <= self.warps_n * self.warps_k <= 32 or min(self.row_tiles, self.splits) < 1:
             raise ValueError(f"{self}: needs 1..32 warps per CTA, row_tiles >= 1 and splits >= 1")
+        if not 1 <= self.ahead <= 3:
+            raise ValueError(f"{self}: ahead must be 1..3 W chunks in flight")
 
     @property
     def block_n(self) -> int:
@@ -222,7 +227,7 @@ def _skinny_gemm_kernel(
     cnt_ptr: cute.Pointer, m: Int32, scale: Float32,
     n: Constexpr, k: Constexpr, m_atoms: Constexpr,
     row_tiles: Constexpr, chunk_atoms: Constexpr, x_atoms: Constexpr,
-    warps_n: Constexpr, warps_k: Constexpr, splits: Constexpr, ops: Constexpr,
+    warps_n: Constexpr, warps_k: Constexpr, splits: Constexpr, ahead: Constexpr, ops: Constexpr,
 ):
     cute.arch.griddepcontrol_launch_dependents()
     tid, _, _ = cute.arch.thread_idx()
@@ -257,26 +262,33 @@ def _skinny_gemm_kernel(
     c_end = cutlass.min(c_begin + per_split, n_chunks)
     my_chunks = (c_end - c_begin - wk + warps_k - 1) // warps_k
 
-    w_next, w_cur, x_frag, acc, mma = mma_registers(lane_elems, w_rows, x_elems, row_tiles, m_atoms)
+    w_a, w_b, x_frag, acc, mma = mma_registers(lane_elems, w_rows, x_elems, row_tiles, m_atoms)
+    ring = [w_a, w_b] + [cute.make_rmem_tensor(w_a.layout, BFloat16) for _ in range(ahead - 1)]
+    span = ahead + 1  # chunk i sits in ring[i % span]
 
-    if my_chunks > 0:
-        _load_chunk(w_vec, w_next, head, w_row0, w_rows, n,
-                    (c_begin + wk) * (chunk_k // 8) + c * (lane_elems // 8), lane_elems // 8, k, k_tail)
-    # launched as a PDL dependent: the first W chunk (which no kernel writes) is in flight while the
+    # the first 16-byte column vector of this lane's part of its i-th chunk: w_col0 + i · w_step
+    w_col0 = (c_begin + wk) * (chunk_k // 8) + c * (lane_elems // 8)
+    w_step = warps_k * (chunk_k // 8)
+    for a in cutlass.range_constexpr(ahead):
+        if a < my_chunks:
+            _load_chunk(w_vec, ring[a], head, w_row0, w_rows, n, w_col0 + a * w_step, lane_elems // 8, k, k_tail)
+    # launched as a PDL dependent: the first W chunks (which no kernel writes) are in flight while the
     # previous kernel finishes; x, y and the split-K scratch are touched only after its results are
     cute.arch.griddepcontrol_wait()
-    for it in cutlass.range(my_chunks):
-        chunk = c_begin + wk + it * warps_k
-        # chunk i+1 is in flight while chunk i is multiplied
-        w_cur.store(w_next.load())
-        if it + 1 < my_chunks:
-            _load_chunk(w_vec, w_next, head, w_row0, w_rows, n,
-                        (chunk + warps_k) * (chunk_k // 8) + c * (lane_elems // 8), lane_elems // 8, k, k_tail)
-        for s in cutlass.range_constexpr(chunk_atoms // x_atoms):
-            _load_chunk(x_vec, x_frag, head, g, m_atoms, m,
-                        chunk * (chunk_k // 8) + c * (lane_elems // 8) + s * (x_elems // 8),
-                        x_elems // 8, k, k_tail)
-            mma_step(mma, acc, w_cur, x_frag, s, lane_elems, x_elems, row_tiles, x_atoms, m_atoms)
+    for it in cutlass.range(0, my_chunks, span):
+        for r in cutlass.range_constexpr(span):
+            i = it + r
+            if i < my_chunks:
+                # refill the buffer chunk i - 1 used; chunks i … i + ahead are then in flight or here
+                if i + ahead < my_chunks:
+                    _load_chunk(w_vec, ring[(r + ahead) % span], head, w_row0, w_rows, n,
+                                w_col0 + (i + ahead) * w_step, lane_elems // 8, k, k_tail)
+                chunk = c_begin + wk + i * warps_k
+                for s in cutlass.range_constexpr(chunk_atoms // x_atoms):
+                    _load_chunk(x_vec, x_frag, head, g, m_atoms, m,
+                                chunk * (chunk_k // 8) + c * (lane_elems // 8) + s * (x_elems // 8),
+                                x_elems // 8, k, k_tail)
+                    mma_step(mma, acc, ring[r], x_frag, s, lane_elems, x_elems, row_tiles, x_atoms, m_atoms)
 
     # the warps_k partial sums meet in shared memory; the pitch pad spreads a warp's stores
     # over the banks
@@ -351,12 +363,12 @@ def _skinny_gemm_host(
     cnt_ptr: cute.Pointer, m: Int32, scale: Float32, stream: cuda.CUstream,
     n: Constexpr, k: Constexpr, m_atoms: Constexpr,
     row_tiles: Constexpr, chunk_atoms: Constexpr, x_atoms: Constexpr,
-    warps_n: Constexpr, warps_k: Constexpr, splits: Constexpr, ops: Constexpr,
+    warps_n: Constexpr, warps_k: Constexpr, splits: Constexpr, ahead: Constexpr, ops: Constexpr,
 ):
     block_n = 16 * row_tiles * warps_n
     _skinny_gemm_kernel(
         w_ptr, x_ptr, y_ptr, e_ptr, ws_ptr, cnt_ptr, m, scale, n, k, m_atoms,
-        row_tiles, chunk_atoms, x_atoms, warps_n, warps_k, splits, ops,
+        row_tiles, chunk_atoms, x_atoms, warps_n, warps_k, splits, ahead, ops,
     ).launch(
         grid=((n + block_n - 1) // block_n, splits, ops.heads),
         block=(32 * warps_n * warps_k, 1, 1),
@@ -381,7 +393,7 @@ def compile_skinny_gemm(n: int, k: int, m_atoms: int, out_dtype: torch.dtype, ti
         _ptr(BFloat16, 16), _ptr(BFloat16, 16), _ptr(_OUT_DTYPES[out_dtype], 16), _ptr(BFloat16, 16, 2),
         _ptr(Float32, 16), _ptr(Int32, 16, 4), Int32(1), Float32(1.0), cute.runtime.make_fake_stream(),
         n, k, m_atoms, tiling.row_tiles, tiling.chunk_atoms, tiling.x_atoms,
-        tiling.warps_n, tiling.warps_k, tiling.splits, ops or Operands.plain(n, k),
+        tiling.warps_n, tiling.warps_k, tiling.splits, tiling.ahead, ops or Operands.plain(n, k),
         options=f"--gpu-arch {arch}" + (f" --keep-ptx --dump-dir={ptx_dir}" if ptx_dir else ""),
     )
 
