@@ -9,7 +9,8 @@ heuristic can follow measurements:
 Two stages per (shape, M), since the split count mostly trades against the CTA shape: first
 every CTA shape (row tiles, chunk width, warps along N and K) at the split count that fills the
 resident CTAs, then the best few of those at every other split count worth a try, each with one
-and two W chunks in flight per warp (`Tiling.ahead`). Each candidate
+and two W chunks in flight per warp (`Tiling.ahead`) and with W loaded plainly or streamed
+(`Tiling.w_stream`). Each candidate
 runs through `bench_skinny_gemm.bench_case` (cold L2, CUDA graph of back-to-back launches, NaN-
 filled output checked against the fp32 reference), so its time is comparable with the bench
 record. A tuning tool, not evidence: it writes no record. `--budget-s` stops early and says what
@@ -66,9 +67,10 @@ def cta_shapes(n: int, k: int, m_atoms: int, sm_count: int) -> list[Tiling]:
 
 def stage_two(t: Tiling, n: int, k: int, m_atoms: int, sm_count: int) -> list[Tiling]:
     """Stage two: the same CTA shape unsplit and at the split counts filling 1 and 4 CTAs per SM,
-    each with one and two W chunks in flight per warp."""
+    each with one and two W chunks in flight per warp, W loaded as before and streamed."""
     counts = {1, t.splits, *(filling_split(t, n, k, sm_count, per_sm) for per_sm in (1, 4))}
-    variants = (replace(t, splits=s, ahead=a) for s in sorted(counts) for a in (1, 2))
+    variants = (replace(t, splits=s, ahead=a, w_stream=ws) for s in sorted(counts) for a in (1, 2)
+                for ws in (False, True))
     return [v for v in variants if v != t and fits(v, k, m_atoms)]
 
 

@@ -33,6 +33,7 @@ def test_candidates_fit_and_offer_alternatives(tp):
                 variants = sweep.stage_two(t, shape.n, shape.k, m_atoms, SMS)
                 deeper = sweep.replace(t, ahead=2)
                 assert (deeper in variants) == sweep.fits(deeper, shape.k, m_atoms), (shape.name, t)
+                assert sweep.replace(t, w_stream=True) in variants, (shape.name, t)
                 for v in variants:
                     assert sweep.fits(v, shape.k, m_atoms) and v != t
                     assert (v.row_tiles, v.chunk_atoms, v.warps_n, v.warps_k) == \
