@@ -43,7 +43,7 @@ SMEM_BYTES = 200 * 1024  # leaves room for the grouping arrays under the H200's 
 
 def candidates(gate_up: bool, n_out: int, k: int, m_atoms: int) -> list[ExpertTiling]:
     """Every tiling the kernel can launch for this pass: CTAs tile the output exactly, every warp
-    along K has a chunk, 2–16 warps (the grouping needs 64 threads), partial sums fit in shared
+    along K has a chunk, 2–8 warps (the grouping needs 64 threads), partial sums fit in shared
     memory. Register pressure is not filtered: a tiling that spills shows as slow."""
     out = []
     for row_tiles in ((2,) if gate_up else (1, 2)):
@@ -51,9 +51,9 @@ def candidates(gate_up: bool, n_out: int, k: int, m_atoms: int) -> list[ExpertTi
             if k % (16 * chunk_atoms):
                 continue
             chunks = k // (16 * chunk_atoms)
-            for warps_k in range(1, 17):
-                for warps_n in (1, 2, 4, 8, 16):
-                    if warps_k > chunks or not 2 <= warps_n * warps_k <= 16:
+            for warps_k in range(1, 9):
+                for warps_n in (1, 2, 4, 8):
+                    if warps_k > chunks or not 2 <= warps_n * warps_k <= 8:
                         continue
                     t = ExpertTiling(row_tiles, chunk_atoms, x_atoms, warps_n, warps_k)
                     block_w = 16 * row_tiles * warps_n

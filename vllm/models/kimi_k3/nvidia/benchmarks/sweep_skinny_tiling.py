@@ -8,9 +8,7 @@ heuristic can follow measurements:
 
 Two stages per (shape, M), since the split count mostly trades against the CTA shape: first
 every CTA shape (row tiles, chunk width, warps along N and K) at the split count that fills the
-resident CTAs, then the best few of those at every other split count worth a try, each with one
-and two W chunks in flight per warp (`Tiling.ahead`) and with W loaded plainly or streamed
-(`Tiling.w_stream`). Each candidate
+resident CTAs, then the best few of those at every other split count worth a try. Each candidate
 runs through `bench_skinny_gemm.bench_case` (cold L2, CUDA graph of back-to-back launches, NaN-
 filled output checked against the fp32 reference), so its time is comparable with the bench
 record. A tuning tool, not evidence: it writes no record. `--budget-s` stops early and says what
@@ -41,7 +39,7 @@ def fits(t: Tiling, k: int, m_atoms: int) -> bool:
     150 KB of shared memory for every candidate (16 warps along K of 32 rows, at 64 rows of x)."""
     chunks = -(-k // t.chunk_k)
     threads = 32 * t.warps_n * t.warps_k
-    w_regs = 4 * t.chunk_atoms * t.row_tiles * (t.ahead + 1)  # the ring of W chunk buffers
+    w_regs = 8 * t.chunk_atoms * t.row_tiles
     return t.warps_k * t.splits <= chunks and w_regs <= min(255, REGS_PER_SM // threads) - 64
 
 
@@ -65,13 +63,10 @@ def cta_shapes(n: int, k: int, m_atoms: int, sm_count: int) -> list[Tiling]:
     return out
 
 
-def stage_two(t: Tiling, n: int, k: int, m_atoms: int, sm_count: int) -> list[Tiling]:
-    """Stage two: the same CTA shape unsplit and at the split counts filling 1 and 4 CTAs per SM,
-    each with one and two W chunks in flight per warp, W loaded as before and streamed."""
-    counts = {1, t.splits, *(filling_split(t, n, k, sm_count, per_sm) for per_sm in (1, 4))}
-    variants = (replace(t, splits=s, ahead=a, w_stream=ws) for s in sorted(counts) for a in (1, 2)
-                for ws in (False, True))
-    return [v for v in variants if v != t and fits(v, k, m_atoms)]
+def split_variants(t: Tiling, n: int, k: int, m_atoms: int, sm_count: int) -> list[Tiling]:
+    """Stage two: the same CTA shape unsplit and at the split counts filling 1 and 4 CTAs per SM."""
+    counts = {1, *(filling_split(t, n, k, sm_count, per_sm) for per_sm in (1, 4))}
+    return [v for v in (replace(t, splits=s) for s in sorted(counts)) if v != t and fits(v, k, m_atoms)]
 
 
 def sweep_case(inp: ShapeInputs, m: int, copy_bw: float, sm_count: int, deadline: float) -> dict:
@@ -94,7 +89,7 @@ def sweep_case(inp: ShapeInputs, m: int, copy_bw: float, sm_count: int, deadline
         run(t)
     ranked = sorted((t for t, r in rows.items() if r.get("ok")), key=lambda t: rows[t]["time_us"])
     for t in ranked[:FINALISTS]:
-        for v in stage_two(t, shape.n, shape.k, m_atoms, sm_count):
+        for v in split_variants(t, shape.n, shape.k, m_atoms, sm_count):
             run(v)
     timed = [r for r in rows.values() if r.get("ok")]
     best = min(timed, key=lambda r: r["time_us"]) if timed else None

@@ -80,10 +80,9 @@ class ExpertTiling:
     def __post_init__(self) -> None:
         if self.chunk_atoms % 2 or self.x_atoms % 2 or self.chunk_atoms % self.x_atoms:
             raise ValueError(f"{self}: chunk_atoms and x_atoms must be even, x_atoms must divide chunk_atoms")
-        # at least 64 threads: one per possible row in the grouping scan; at most 512, whose 128
-        # registers a thread still hold the double-buffered W chunk and the accumulators
-        if not 2 <= self.warps_n * self.warps_k <= 16 or self.row_tiles < 1:
-            raise ValueError(f"{self}: needs 2..16 warps per CTA and row_tiles >= 1")
+        # at least 64 threads: one per possible row in the grouping scan
+        if not 2 <= self.warps_n * self.warps_k <= 8 or self.row_tiles < 1:
+            raise ValueError(f"{self}: needs 2..8 warps per CTA and row_tiles >= 1")
 
     def block_out(self, gate_up: bool) -> int:
         """Output columns of one CTA (gate/up: hidden columns, each from a gate and an up row)."""

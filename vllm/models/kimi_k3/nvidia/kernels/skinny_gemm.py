@@ -23,17 +23,13 @@ Design (decode is memory-bound: read every weight byte once, at HBM speed):
   K inside a dot product is free, so lane `c` of a quad takes 4·A consecutive elements of a row
   and feeds them to its four k-slots of A consecutive atoms. x is read with the same
   permutation, which puts both operands in fragment order without shuffles (x comes from L1/L2:
-  it is only M·K·2 bytes). With `Tiling.w_stream` a lane's vectors lie 4 apart instead, so the
-  four lanes of a quad read 64 contiguous bytes per load instruction (whole 32-byte sectors, not
-  halves finished by the next instruction out of L1), and W, read once, is not allocated in L1.
-- A warp owns R row tiles (16·R rows) and walks K in chunks of 16·A, loading chunks i+1 … i+ahead
-  while it multiplies chunk i: a ring of ahead + 1 register buffers, the loop unrolled by the
-  ring's length so that every buffer is named at compile time (a copy out of a buffer whose load
-  is in flight would wait for it). The warps of a CTA split N (warps_n) and K (warps_k); K is also split
+  it is only M·K·2 bytes).
+- A warp owns R row tiles (16·R rows) and walks K in chunks of 16·A, loading chunk i+1 while it
+  multiplies chunk i. The warps of a CTA split N (warps_n) and K (warps_k); K is also split
   across CTAs (`splits`) where N alone gives too few CTAs to keep enough bytes in flight.
 - Launched with programmatic dependent launch (PDL): every kernel of the step releases its
-  dependents first, so this grid's CTAs start while the previous kernel runs, put their first
-  `ahead` W chunks in flight, and wait (griddepcontrol.wait: the previous grid done, its writes visible)
+  dependents first, so this grid's CTAs start while the previous kernel runs, put their first W
+  chunk in flight, and wait (griddepcontrol.wait: the previous grid done, its writes visible)
   before they read x or write anything. Measured on 2026-12-04 before this form landed (kernels/
   README.md): 1.07× on the TP16 step at one row, 1.05× at eight.
 - Partial sums meet in shared memory (across warps_k) and, with splits > 1, in an FP32
@@ -80,16 +76,12 @@ class Tiling:
     warps_n: int
     warps_k: int
     splits: int  # CTAs along K
-    ahead: int = 1  # W chunks a warp has in flight while it multiplies one (and issues before the PDL wait)
-    w_stream: bool = False  # a quad's lanes load 64 contiguous bytes per instruction; W bypasses L1
 
     def __post_init__(self) -> None:
         if self.chunk_atoms % 2 or self.x_atoms % 2 or self.chunk_atoms % self.x_atoms:
             raise ValueError(f"{self}: chunk_atoms and x_atoms must be even, x_atoms must divide chunk_atoms")
         if not 1 <= self.warps_n * self.warps_k <= 32 or min(self.row_tiles, self.splits) < 1:
             raise ValueError(f"{self}: needs 1..32 warps per CTA, row_tiles >= 1 and splits >= 1")
-        if not 1 <= self.ahead <= 3:
-            raise ValueError(f"{self}: ahead must be 1..3 W chunks in flight")
 
     @property
     def block_n(self) -> int:
@@ -165,25 +157,21 @@ def choose_tiling(n: int, k: int, m_atoms: int, sm_count: int, heads: int = 1) -
 
 @cute.jit
 def _load_chunk(src_vec: cute.Tensor, dst: cute.Tensor, head: Int32, first_row: Int32, rows: Constexpr,
-                row_limit: Int32, col0: Int32, vecs: Constexpr, k: Constexpr, k_tail: Constexpr,
-                vec_stride: Constexpr = 1, no_l1: Constexpr = False):
+                row_limit: Int32, col0: Int32, vecs: Constexpr, k: Constexpr, k_tail: Constexpr):
     """`rows` rows of head `head` (first_row + 8i, clamped below row_limit: those rows' outputs are
-    never stored) × `vecs` 16-byte vectors, column vectors col0 + v · vec_stride, into registers one
-    row after the other; vectors past K are zeros. With no_l1 the loads are not allocated in L1."""
-    evict = cute.nvgpu.CacheEvictionPriority
-    evict = evict.NO_ALLOCATE if const_expr(no_l1) else evict.EVICT_NORMAL
+    never stored) × `vecs` 16-byte vectors from column vector col0 on, into registers one row after
+    the other; vectors past K are zeros."""
     for i in cutlass.range_constexpr(rows):
         row = cutlass.min(first_row + 8 * i, row_limit - 1)
         for v in cutlass.range_constexpr(vecs):
             vec = cute.make_tensor(dst.iterator + (i * vecs + v) * 8, cute.make_layout(8))
-            col = col0 + v * vec_stride
             if const_expr(k_tail):
-                if col < k // 8:
-                    cute.autovec_copy(src_vec[(0, 0, None), (head, row, col)], vec, l1c_evict_priority=evict)
+                if col0 + v < k // 8:
+                    cute.autovec_copy(src_vec[(0, 0, None), (head, row, col0 + v)], vec)
                 else:
                     vec.fill(0.0)
             else:
-                cute.autovec_copy(src_vec[(0, 0, None), (head, row, col)], vec, l1c_evict_priority=evict)
+                cute.autovec_copy(src_vec[(0, 0, None), (head, row, col0 + v)], vec)
 
 
 def mma_registers(lane_elems: int, w_rows: int, x_elems: int, row_tiles: int, m_atoms: int) -> tuple:
@@ -234,8 +222,7 @@ def _skinny_gemm_kernel(
     cnt_ptr: cute.Pointer, m: Int32, scale: Float32,
     n: Constexpr, k: Constexpr, m_atoms: Constexpr,
     row_tiles: Constexpr, chunk_atoms: Constexpr, x_atoms: Constexpr,
-    warps_n: Constexpr, warps_k: Constexpr, splits: Constexpr, ahead: Constexpr, w_stream: Constexpr,
-    ops: Constexpr,
+    warps_n: Constexpr, warps_k: Constexpr, splits: Constexpr, ops: Constexpr,
 ):
     cute.arch.griddepcontrol_launch_dependents()
     tid, _, _ = cute.arch.thread_idx()
@@ -270,39 +257,26 @@ def _skinny_gemm_kernel(
     c_end = cutlass.min(c_begin + per_split, n_chunks)
     my_chunks = (c_end - c_begin - wk + warps_k - 1) // warps_k
 
-    w_a, w_b, x_frag, acc, mma = mma_registers(lane_elems, w_rows, x_elems, row_tiles, m_atoms)
-    ring = [w_a, w_b] + [cute.make_rmem_tensor(w_a.layout, BFloat16) for _ in range(ahead - 1)]
-    span = ahead + 1  # chunk i sits in ring[i % span]
+    w_next, w_cur, x_frag, acc, mma = mma_registers(lane_elems, w_rows, x_elems, row_tiles, m_atoms)
 
-    # a lane's 16-byte column vectors in a chunk: consecutive from c · vecs on, or c, c + 4, …
-    vecs = lane_elems // 8
-    vec_stride = 4 if const_expr(w_stream) else 1
-    lane_col = c if const_expr(w_stream) else c * vecs
-    # the first column vector of this lane's part of its i-th chunk: w_col0 + i · w_step
-    w_col0 = (c_begin + wk) * (chunk_k // 8) + lane_col
-    w_step = warps_k * (chunk_k // 8)
-    for a in cutlass.range_constexpr(ahead):
-        if a < my_chunks:
-            _load_chunk(w_vec, ring[a], head, w_row0, w_rows, n, w_col0 + a * w_step, vecs, k, k_tail,
-                        vec_stride, w_stream)
-    # launched as a PDL dependent: the first W chunks (which no kernel writes) are in flight while the
+    if my_chunks > 0:
+        _load_chunk(w_vec, w_next, head, w_row0, w_rows, n,
+                    (c_begin + wk) * (chunk_k // 8) + c * (lane_elems // 8), lane_elems // 8, k, k_tail)
+    # launched as a PDL dependent: the first W chunk (which no kernel writes) is in flight while the
     # previous kernel finishes; x, y and the split-K scratch are touched only after its results are
     cute.arch.griddepcontrol_wait()
-    for it in cutlass.range(0, my_chunks, span):
-        for r in cutlass.range_constexpr(span):
-            i = it + r
-            if i < my_chunks:
-                # refill the buffer chunk i - 1 used; chunks i … i + ahead are then in flight or here
-                if i + ahead < my_chunks:
-                    _load_chunk(w_vec, ring[(r + ahead) % span], head, w_row0, w_rows, n,
-                                w_col0 + (i + ahead) * w_step, vecs, k, k_tail, vec_stride, w_stream)
-                chunk = c_begin + wk + i * warps_k
-                for s in cutlass.range_constexpr(chunk_atoms // x_atoms):
-                    # the same K permutation as W's; x is read by every warp, so it stays in L1
-                    _load_chunk(x_vec, x_frag, head, g, m_atoms, m,
-                                chunk * (chunk_k // 8) + lane_col + s * (x_elems // 8) * vec_stride,
-                                x_elems // 8, k, k_tail, vec_stride)
-                    mma_step(mma, acc, ring[r], x_frag, s, lane_elems, x_elems, row_tiles, x_atoms, m_atoms)
+    for it in cutlass.range(my_chunks):
+        chunk = c_begin + wk + it * warps_k
+        # chunk i+1 is in flight while chunk i is multiplied
+        w_cur.store(w_next.load())
+        if it + 1 < my_chunks:
+            _load_chunk(w_vec, w_next, head, w_row0, w_rows, n,
+                        (chunk + warps_k) * (chunk_k // 8) + c * (lane_elems // 8), lane_elems // 8, k, k_tail)
+        for s in cutlass.range_constexpr(chunk_atoms // x_atoms):
+            _load_chunk(x_vec, x_frag, head, g, m_atoms, m,
+                        chunk * (chunk_k // 8) + c * (lane_elems // 8) + s * (x_elems // 8),
+                        x_elems // 8, k, k_tail)
+            mma_step(mma, acc, w_cur, x_frag, s, lane_elems, x_elems, row_tiles, x_atoms, m_atoms)
 
     # the warps_k partial sums meet in shared memory; the pitch pad spreads a warp's stores
     # over the banks
@@ -377,12 +351,12 @@ def _skinny_gemm_host(
     cnt_ptr: cute.Pointer, m: Int32, scale: Float32, stream: cuda.CUstream,
     n: Constexpr, k: Constexpr, m_atoms: Constexpr,
     row_tiles: Constexpr, chunk_atoms: Constexpr, x_atoms: Constexpr,
-    warps_n: Constexpr, warps_k: Constexpr, splits: Constexpr, ahead: Constexpr, w_stream: Constexpr, ops: Constexpr,
+    warps_n: Constexpr, warps_k: Constexpr, splits: Constexpr, ops: Constexpr,
 ):
     block_n = 16 * row_tiles * warps_n
     _skinny_gemm_kernel(
         w_ptr, x_ptr, y_ptr, e_ptr, ws_ptr, cnt_ptr, m, scale, n, k, m_atoms,
-        row_tiles, chunk_atoms, x_atoms, warps_n, warps_k, splits, ahead, w_stream, ops,
+        row_tiles, chunk_atoms, x_atoms, warps_n, warps_k, splits, ops,
     ).launch(
         grid=((n + block_n - 1) // block_n, splits, ops.heads),
         block=(32 * warps_n * warps_k, 1, 1),
@@ -407,7 +381,7 @@ def compile_skinny_gemm(n: int, k: int, m_atoms: int, out_dtype: torch.dtype, ti
         _ptr(BFloat16, 16), _ptr(BFloat16, 16), _ptr(_OUT_DTYPES[out_dtype], 16), _ptr(BFloat16, 16, 2),
         _ptr(Float32, 16), _ptr(Int32, 16, 4), Int32(1), Float32(1.0), cute.runtime.make_fake_stream(),
         n, k, m_atoms, tiling.row_tiles, tiling.chunk_atoms, tiling.x_atoms,
-        tiling.warps_n, tiling.warps_k, tiling.splits, tiling.ahead, tiling.w_stream, ops or Operands.plain(n, k),
+        tiling.warps_n, tiling.warps_k, tiling.splits, ops or Operands.plain(n, k),
         options=f"--gpu-arch {arch}" + (f" --keep-ptx --dump-dir={ptx_dir}" if ptx_dir else ""),
     )
 

@@ -4,8 +4,6 @@ not compiles for sm_90a (the sweep itself needs the GPU)."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install nvidia-cutlass-dsl==4.8.1)")
@@ -28,7 +26,7 @@ def test_candidates_are_launchable_and_hold_the_pick(tp):
             assert len(found) == len(set(found)) > 1, "nothing to compare the pick with"
             for t in found:
                 assert n_out % t.block_out(gate_up) == 0 and k % t.chunk_k == 0
-                assert t.warps_k <= k // t.chunk_k and 64 <= 32 * t.warps_n * t.warps_k <= 512
+                assert t.warps_k <= k // t.chunk_k and 64 <= 32 * t.warps_n * t.warps_k <= 256
 
 
 def test_a_candidate_other_than_the_pick_compiles(tmp_path):
@@ -38,16 +36,3 @@ def test_a_candidate_other_than_the_pick_compiles(tmp_path):
     ptx = moe_experts.compile_expert_gemv(True, K3.num_experts, K3.num_experts_per_token, inter, H, 1, 4.0, 25.0,
                                           other, "sm_90a", ptx_dir=str(tmp_path)).artifacts.PTX
     assert "mma.sync.aligned.m16n8k16" in ptx
-
-
-def test_sixteen_warps_along_k_compile_without_spills(tmp_path):
-    """The skinny GEMM's sweep found 16 warps along K best where N gives few tiles (2026-12-04);
-    the experts' gate/up at TP16 M = 1 has 12 tiles an expert. Its 16-warp candidate must compile
-    with 16-byte loads and no spills, so that the expert sweep can time it."""
-    inter = moe_experts.read_width(K3.shard(16, 0).moe_inter_real)  # the 192 columns the kernels read
-    deep = moe_experts.ExpertTiling(2, 4, 2, 1, 16)
-    assert deep in candidates(True, inter, H, 1)
-    ptx = moe_experts.compile_expert_gemv(True, K3.num_experts, K3.num_experts_per_token, inter, H, 1, 4.0, 25.0,
-                                          deep, "sm_90a", ptx_dir=str(tmp_path)).artifacts.PTX
-    assert "ld.global.v4.b32" in ptx
-    assert not re.search(r"\b(ld|st)\.local", ptx), "registers spilled to local memory"
