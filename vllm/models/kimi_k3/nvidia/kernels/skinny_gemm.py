@@ -117,15 +117,12 @@ class Operands:
 def choose_tiling(n: int, k: int, m_atoms: int, sm_count: int, heads: int = 1) -> Tiling:
     """The tiling measured best on the H200 for each class of K3 shape (kernels/README.md).
 
-    M <= 16 and K >= 512 (`sweep_skinny_tiling`, 2026-12-04, M = 1 and 8): 64-wide chunks per
-    warp. Where K has at least 64 chunks and N alone gives every SM a 16-row CTA, one row tile and
-    CTAs of 16 warps all along K, so that many small loads are in flight per tile. Otherwise two
-    row tiles and 8 warps along K, with K split across CTAs until they fill the resident slots:
-    a narrow N (moe_router 896, shared_gate_up 768 at TP16 and 1536 at TP8) then reads its K
-    through 9, 11 or 5 times the CTAs (5.9 against 8.3 µs, 5.7 against 7.8, 7.9 against 12.2),
-    and a short K gives each warp an even share of it (kda_o_proj@tp8 5.96 against 6.40 µs,
-    moe_latent_up@tp16 12.9 against 13.2). Shorter K at M <= 16: one tile and 128-wide chunks,
-    CTAs of 2 × 4 warps (shared_down@tp16 2.33 µs, the sweep's best). Larger M (sweeps of 2026-12-03 at M = 64): two
+    M <= 16 and K >= 512 (`sweep_skinny_tiling`, 2026-12-04, TP16 at M = 1 and 8): one 16-row
+    tile and 64-wide chunks per warp, CTAs of 16 warps all along K, so that many small loads are in
+    flight per row tile; 2 along N × 8 along K where K is shorter than 64 chunks and N alone gives
+    every SM a CTA (an even share of K per warp then beats more warps on it: moe_latent_up@tp16
+    13.0 against 13.7 µs). Shorter K at M <= 16: one tile and 128-wide chunks, CTAs of 2 × 4 warps
+    (shared_down@tp16 2.33 µs, the sweep's best). Larger M (sweeps of 2026-12-03 at M = 64): two
     tiles and 64-wide chunks per warp, so each x fragment feeds twice the MMAs, CTAs of 2 × 4 warps,
     or 1 × 8 where N alone fills the resident CTAs and that fills their last wave better. With
     fewer chunks than warps along K, one warp per chunk. K splits across CTAs up to the resident
@@ -134,7 +131,7 @@ def choose_tiling(n: int, k: int, m_atoms: int, sm_count: int, heads: int = 1) -
     their own).
     """
     small_m = m_atoms <= 2
-    deep = small_m and k >= 512  # 64-wide chunks, warps all along K
+    deep = small_m and k >= 512  # the 16-warp CTAs along K
     row_tiles, chunk_atoms, x_atoms = (1, 8, 4) if small_m and not deep else (1 if small_m else 2, 4, 2)
     if k <= 128:  # a single chunk: the wider one saves a loop trip
         chunk_atoms = 8
@@ -149,10 +146,7 @@ def choose_tiling(n: int, k: int, m_atoms: int, sm_count: int, heads: int = 1) -
 
     warps_n, warps_k = 2, 4
     if deep:
-        if chunks >= 64 and ctas_n(1) >= sm_count:
-            warps_n, warps_k = 1, 16
-        else:
-            row_tiles, warps_n, warps_k = 2, 1, 8
+        warps_n, warps_k = (2, 8) if chunks < 64 and ctas_n(2) >= sm_count else (1, 16)
     elif not small_m and ctas_n(2) >= resident and last_wave_fill(ctas_n(1)) > last_wave_fill(ctas_n(2)) + 0.05:
         warps_n, warps_k = 1, 8
     if chunks < warps_k:

@@ -162,27 +162,24 @@ def test_operand_layouts_and_epilogues_compile(case, tmp_path):
 
 
 def test_heads_count_as_ctas_when_splits_fill_the_gpu():
-    # 4 tiles of 32 rows: alone they leave room for 14 splits (K's 112 chunks over 8 warps); 16
-    # heads make 64 tiles, and 264 resident CTAs hold 4 splits of them
-    assert skinny_gemm.choose_tiling(128, 7168, 1, 132).splits == 14
-    assert skinny_gemm.choose_tiling(128, 7168, 1, 132, heads=16).splits == 4
+    # 8 tiles of 16 rows: alone they leave room for 7 splits (K's 112 chunks over 16 warps); 16
+    # heads make 128 tiles, and 264 resident CTAs hold 2 splits of them
+    assert skinny_gemm.choose_tiling(128, 7168, 1, 132).splits == 7
+    assert skinny_gemm.choose_tiling(128, 7168, 1, 132, heads=16).splits == 2
 
 
 def test_small_m_tilings_follow_the_sweep():
-    """The picks at M <= 16 are the sweep's best (2026-12-04, TP16 and TP8): 16 warps along K
-    where K is long and N alone fills the SMs; otherwise two row tiles and 8 warps along K, split
-    across CTAs until they fill the GPU (narrow N: the router, the shared experts' gate/up); 2 × 3
-    of 128-wide chunks for short K."""
+    """The picks at M <= 16 are the sweep's best (2026-12-04, TP16): 16 warps along K for long K
+    or few N tiles, 2 × 8 where K is moderate and N fills the SMs, 2 × 3 of 128-wide chunks for
+    short K."""
     pick = {s.name: skinny_gemm.choose_tiling(s.n, s.k, 1, 132) for s in k3_gemm_shapes()}
     deep = skinny_gemm.Tiling(1, 4, 2, 1, 16, 1)
     for name in ("lm_head@tp16", "dense_gate_up@tp16", "moe_latent_down@tp16", "kda_in_proj@tp16",
-                 "mla_fused_a@tp16"):
+                 "mla_fused_a@tp16", "mla_q_b@tp16"):
         assert pick[name] == deep, name
-    assert pick["moe_router@tp16"] == skinny_gemm.Tiling(2, 4, 2, 1, 8, 9)
-    assert pick["shared_gate_up@tp16"] == skinny_gemm.Tiling(2, 4, 2, 1, 8, 11)
-    assert pick["shared_gate_up@tp8"] == skinny_gemm.Tiling(2, 4, 2, 1, 8, 5)
-    for name in ("moe_latent_up@tp16", "dense_down@tp16", "kda_o_proj@tp16", "kda_o_proj@tp8"):
-        assert pick[name] == skinny_gemm.Tiling(2, 4, 2, 1, 8, 1), name
+    assert pick["moe_router@tp16"] == skinny_gemm.Tiling(1, 4, 2, 1, 16, 4)
+    for name in ("moe_latent_up@tp16", "dense_down@tp16", "kda_o_proj@tp16"):
+        assert pick[name] == skinny_gemm.Tiling(1, 4, 2, 2, 8, 1), name
     assert pick["shared_down@tp16"] == skinny_gemm.Tiling(1, 8, 4, 2, 3, 1)
 
 
