@@ -1,8 +1,9 @@
 """Tiling sweep of the skinny GEMM (kernels/skinny_gemm.py) on the GPU, shape by shape.
 
 `choose_tiling` picks by class of shape; its M <= 16 rules come from this sweep's run of
-2026-12-04 (kernels/README.md), its M > 16 rules from sweeps of 2026-12-03. This times the launchable tilings of each K3 per-rank shape beside the pick, so that the
-heuristic can follow measurements:
+2026-12-04 (kernels/README.md), its M > 16 rules from sweeps of 2026-12-03. This times the
+launchable tilings of each K3 per-rank shape beside the pick, so that the heuristic can follow
+measurements:
 
     python -m vllm.models.kimi_k3.nvidia.benchmarks.sweep_skinny_tiling --out $OUT/skinny_tiling_sweep.json
 

@@ -230,7 +230,6 @@ def test_more_gpus_than_steps_leaves_the_rest_idle_and_no_gpus_is_refused(capsys
         refresh.main(["--lanes", "0"])
 
 
-
 def test_the_memory_log_samples_until_stopped_and_reports_the_peak(tmp_path):
     """gpu_memory_log and gpu_memory_peak of .ci/h200_call.sh, on an nvidia-smi stand-in that
     prints two GPUs' samples in its -l loop."""
@@ -247,6 +246,7 @@ def test_the_memory_log_samples_until_stopped_and_reports_the_peak(tmp_path):
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True, timeout=20).stdout
     assert out.strip() == "peak GPU memory: 114966 MiB"  # the second call has nothing left to stop
     assert "0, 61715" in (tmp_path / "gpu_mem.log").read_text()
+
 
 def test_the_call_refuses_a_commit_taken_from_an_older_git_in_the_device_copy(tmp_path):
     if shutil.which("bash") is None or shutil.which("git") is None:
