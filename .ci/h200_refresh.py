@@ -41,11 +41,13 @@ from tools.fast_track.stale import stale_records  # noqa: E402
 # seconds; measured on the H200 (2026-12-03) and given headroom: eval 188-205 s, decode records
 # 30-155 s, the rest under 90 s; the depth test took 177 s before its yardstick ran in lockstep and
 # 355 s after (2026-12-04); the 12-layer long runs took 203-217 s at rows 1, 8 and q 8 and
-# 256 s at rows 64 (2026-12-04); pinned-routing parity took 80 s at TP16 alone
+# 256 s at rows 64 (2026-12-04); pinned-routing parity took 80 s at TP16 alone; rows 2, 4 and 16 of
+# the block with rows 32 still running outlasted 450 s (2026-12-04), so rows 16 and 32 are a file
 LIMIT_BY_KIND = {"eval": 330, "decode-bench": 170, "sanitizer": 300}
 LIMIT_BY_FILE = {"executor_depth_parity.json": 450, "executor_long_runs.json": 400,
-                 "executor_long_runs_rows64.json": 450, "executor_long_runs_mid.json": 450,
-                 "executor_long_runs_tp8.json": 450, "executor_long_runs_tp8_rows64.json": 520,
+                 "executor_long_runs_rows64.json": 450, "executor_long_runs_mid.json": 400,
+                 "executor_long_runs_rows16_32.json": 560, "executor_long_runs_tp8.json": 450,
+                 "executor_long_runs_tp8_rows64.json": 520,
                  "pinned_routing_parity.json": 300}
 DEFAULT_LIMIT = 150
 # the order a refresh runs in, when one call cannot hold every stale record: the kernels' own
@@ -68,7 +70,8 @@ TIMED_KINDS = ("decode-bench", "kernel-bench")
 # TP16 then a TP8 block) beside those two at 115 GB. So a TP8 block beside two other checks
 # nears the card's memory: LANES=2 (a block and one check) is the safe setting when one is queued
 HOLDS_A_BLOCK = frozenset({"executor_long_runs.json", "executor_long_runs_rows64.json", "executor_long_runs_mid.json",
-                           "executor_long_runs_tp8.json", "executor_long_runs_tp8_rows64.json",
+                           "executor_long_runs_rows16_32.json", "executor_long_runs_tp8.json",
+                           "executor_long_runs_tp8_rows64.json",
                            "pinned_routing_parity.json", "parity_rule_power.json"})
 EV = "$K3_EVIDENCE_DIR"
 # a folder the records were written to on the device, in any session: /root/out/ev, /root/out/w/ev

@@ -15,8 +15,9 @@ too far.
 Several test files run it (`long_run_tests`), each writing its own "parity" record, because a
 record must come from one whole run and one run must fit one call on a lent GPU: at TP16 rows 64
 alone replays three graphs of ~10-35 ms 2048 times (test_executor_long_runs_rows64.py), rows 1, 8
-and the q = 8 verify together take about as long (test_executor_long_runs.py), rows 2-32 are a
-third file (test_executor_long_runs_mid.py); TP8 has the first two (test_executor_long_runs_tp8*.py).
+and the q = 8 verify together take about as long (test_executor_long_runs.py), rows 2 and 4
+(test_executor_long_runs_mid.py) and rows 16 and 32 (test_executor_long_runs_rows16_32.py) are
+two more; TP8 has the first two (test_executor_long_runs_tp8*.py).
 """
 
 from __future__ import annotations
