@@ -42,12 +42,14 @@ from tools.fast_track.stale import stale_records  # noqa: E402
 # 30-155 s, the rest under 90 s; the depth test took 177 s before its yardstick ran in lockstep and
 # 355 s after (2026-12-04); the 12-layer long runs took 203-217 s at rows 1, 8 and q 8 and
 # 256 s at rows 64 (2026-12-04); pinned-routing parity took 80 s at TP16 alone; rows 2, 4 and 16 of
-# the block with rows 32 still running outlasted 450 s (2026-12-04), so rows 16 and 32 are a file
+# the block with rows 32 still running outlasted 450 s (2026-12-04), so rows 16 and 32 are a file:
+# rows 2 and 4 took 173 s, rows 16 and 32 353 s, TP8 rows 1, 8 and q 8 220 s (2026-12-04)
 LIMIT_BY_KIND = {"eval": 330, "decode-bench": 170, "sanitizer": 300}
 LIMIT_BY_FILE = {"executor_depth_parity.json": 450, "executor_long_runs.json": 400,
                  "executor_long_runs_rows64.json": 450, "executor_long_runs_mid.json": 400,
                  "executor_long_runs_rows16_32.json": 560, "executor_long_runs_tp8.json": 450,
-                 "executor_long_runs_tp8_rows64.json": 520,
+                 "executor_long_runs_tp8_rows64.json": 520, "executor_long_runs_tp8_mid.json": 400,
+                 "executor_long_runs_tp8_rows16_32.json": 580, "executor_depth_parity_tp8.json": 560,
                  "pinned_routing_parity.json": 300}
 DEFAULT_LIMIT = 150
 # the order a refresh runs in, when one call cannot hold every stale record: the kernels' own
@@ -71,7 +73,8 @@ TIMED_KINDS = ("decode-bench", "kernel-bench")
 # nears the card's memory: LANES=2 (a block and one check) is the safe setting when one is queued
 HOLDS_A_BLOCK = frozenset({"executor_long_runs.json", "executor_long_runs_rows64.json", "executor_long_runs_mid.json",
                            "executor_long_runs_rows16_32.json", "executor_long_runs_tp8.json",
-                           "executor_long_runs_tp8_rows64.json",
+                           "executor_long_runs_tp8_rows64.json", "executor_long_runs_tp8_mid.json",
+                           "executor_long_runs_tp8_rows16_32.json",
                            "pinned_routing_parity.json", "parity_rule_power.json"})
 EV = "$K3_EVIDENCE_DIR"
 # a folder the records were written to on the device, in any session: /root/out/ev, /root/out/w/ev
@@ -170,13 +173,13 @@ def step_lines(records: list[Record]) -> list[str]:
 
 
 def _records_written(source: str) -> list[str]:
-    """The record files a test module writes: the `.json` names its calls of record_parity or
-    long_run_tests pass (parsed, so a call quoted inside a string is not one)."""
+    """The record files a test module writes: the `.json` names its calls of record_parity,
+    long_run_tests or depth_tests pass (parsed, so a call quoted inside a string is not one)."""
     names = []
     for node in ast.walk(ast.parse(source)):
         func = getattr(node, "func", None)
         if isinstance(node, ast.Call) and getattr(func, "id", getattr(func, "attr", None)) in (
-                "record_parity", "long_run_tests"):
+                "record_parity", "long_run_tests", "depth_tests"):
             names += [a.value for a in node.args
                       if isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.endswith(".json")]
     return list(dict.fromkeys(names))

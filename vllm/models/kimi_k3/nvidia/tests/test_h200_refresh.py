@@ -154,13 +154,14 @@ def test_a_gpu_test_whose_record_was_never_committed_gets_a_step(tmp_path):
     (model / "tests").mkdir(parents=True)
     (model / "evidence" / "h200").mkdir(parents=True)
     (model / "tests" / "test_new.py").write_text('record_parity("new_parity.json", "executor", "f", [], R)\n'
-                                                 'long_run_tests(RUNS, "long.json", "f")\n')
+                                                 'long_run_tests(RUNS, "long.json", "f")\n'
+                                                 'depth_tests(8, "deep.json", "f")\n')
     (model / "tests" / "test_old.py").write_text('record_parity(\n    "old.json", "executor", "f", [], R)\n')
     (model / "evidence" / "h200" / "old.json").write_text("{}")
     # a test that only quotes such a call (as this file does) writes no record
     (model / "tests" / "test_quotes.py").write_text("""SRC = 'record_parity("quoted.json", "executor")'\n""")
     lines = refresh.unrecorded_steps(model, tmp_path)
-    assert [line.split()[:2] for line in lines] == [["step", "new_parity"], ["step", "long"]]
+    assert [line.split()[:2] for line in lines] == [["step", "new_parity"], ["step", "long"], ["step", "deep"]]
     assert all(line.endswith("-m gpu m/tests/test_new.py") for line in lines)
     here = refresh.unrecorded_steps(ROOT / "vllm/models/kimi_k3/nvidia", ROOT)
     assert not [line for line in here if "test_h200_refresh.py" in line]
