@@ -67,7 +67,7 @@ def long_run(dense, tp: int, rows: int, q: int) -> tuple[dict, bool, list[str]]:
     # the long run: specialized and the yardstick against the graphed standard table, from the
     # state the anchor left
     runs, failed = long_run_vs_graphed(spec, noisy, graphed, slots, q, RUNS[(rows, q)], gen)
-    result = {"name": f"{FULL_LAYERS}-layer dense{_tp_label(tp)} rows{rows} q{q} ctx{CONTEXT}: "
+    result = {"name": f"{FULL_LAYERS}-layer dense TP{tp} rows{rows} q{q} ctx{CONTEXT}: "
               f"{RUNS[(rows, q)]} steps vs graphed standard", "status": "pass" if anchored and not failed else "fail",
               "failed": failed, "anchor_vs_eager": anchor, **runs["specialized"], "long_run": runs}
     return result, anchored, failed
@@ -86,13 +86,8 @@ def op_parity(tp: int) -> tuple[dict, list]:
     bad = [(op, i, err) for op, i, err in ops.report
            if (err < 0.99 if op == "route.ids_equal" else not err <= PARITY_OP_REL)]
     errs = [err for op, _, err in ops.report if op != "route.ids_equal"]
-    return ({"name": f"{FULL_LAYERS}-layer moe{_tp_label(tp)} (32 experts, top-16) rows4: per-op kernel vs reference",
+    return ({"name": f"{FULL_LAYERS}-layer moe TP{tp} (32 experts, top-16) rows4: per-op kernel vs reference",
              "ops_compared": len(errs), "worst_op_rel_err": max(errs), "status": "fail" if bad else "pass"}, bad)
-
-
-def _tp_label(tp: int) -> str:
-    # TP16's names stay as its records first wrote them
-    return "" if tp == 16 else f" TP{tp}"
 
 
 def depth_tests(tp: int, record_file: str, test_file: str):
