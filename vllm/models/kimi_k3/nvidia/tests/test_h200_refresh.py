@@ -165,6 +165,12 @@ def test_a_gpu_test_whose_record_was_never_committed_gets_a_step(tmp_path):
     assert all(line.endswith("-m gpu m/tests/test_new.py") for line in lines)
     here = refresh.unrecorded_steps(ROOT / "vllm/models/kimi_k3/nvidia", ROOT)
     assert not [line for line in here if "test_h200_refresh.py" in line]
+    # a record never run but estimated from its siblings is packed by that estimate
+    (model / "tests" / "test_tp8.py").write_text('long_run_tests(RUNS, "executor_long_runs_tp8_mid.json", "f")\n')
+    tp8 = [line for line in refresh.unrecorded_steps(model, tmp_path) if "test_tp8.py" in line]
+    assert tp8 == [f"EXPECT={refresh.FIRST_RUN_EXPECT['executor_long_runs_tp8_mid.json']} step "
+                   f"executor_long_runs_tp8_mid {refresh.LIMIT_BY_FILE['executor_long_runs_tp8_mid.json']} "
+                   "python3 -m pytest -q -p no:cacheprovider -m gpu m/tests/test_tp8.py"]
 
 
 def _run_script(script: list[str], tmp_path, timeout: float | None = None) -> str:
