@@ -61,6 +61,7 @@ from .skinny_gemm import mma_registers, mma_step
 
 MAX_ROWS = 64
 MAX_TOP_K = 32
+EXPERT_CTAS_PER_SM = 2  # at M > 16 (the launch's register cap)
 
 
 class MoEExpertsEnvelopeError(ValueError):
@@ -371,6 +372,13 @@ def _expert_gemv_host(
         grid=(m * top_k, n_out // block_out, 1),
         block=(32 * warps_n * warps_k, 1, 1),
         stream=stream,
+        # beyond 16 rows the 4- and 8-atom copies of the chunk loop would take 174-238 registers,
+        # one 8-warp CTA an SM for every expert; two CTAs an SM keep the copies that serve experts
+        # of up to 16 rows (nearly all at uniform routing) spill-free in 128 registers, and
+        # experts with more rows spill. With a cap the carveout is named (the driver's default,
+        # -1), or the compile would query a device for it
+        min_blocks_per_mp=EXPERT_CTAS_PER_SM if m_atoms > 2 else 0,
+        preferred_smem_carveout=-1 if m_atoms > 2 else None,
     )
 
 
@@ -382,8 +390,8 @@ def compile_expert_gemv(gate_up: bool, n_experts: int, top_k: int, n_out: int, k
 
     The pass reads n_out outputs over k inputs out of each expert's stored [w_rows, ld] block
     (default: exactly [2·n_out or n_out, k]); a wider block is the zero-padded slice of
-    `launch`, whose padding is never read. With ptx_dir the PTX is kept in the result's
-    `artifacts.PTX` (and written into ptx_dir).
+    `launch`, whose padding is never read. With ptx_dir the PTX and the cubin are kept in the
+    result's `artifacts.PTX` and `artifacts.CUBIN` (and written into ptx_dir).
     """
     w_rows = (2 * n_out if gate_up else n_out) if w_rows is None else w_rows
     ld = k if ld is None else ld
@@ -393,7 +401,7 @@ def compile_expert_gemv(gate_up: bool, n_experts: int, top_k: int, n_out: int, k
         Int32(1), cute.runtime.make_fake_stream(),
         n_experts, top_k, n_out, k, w_rows, ld, gate_up, beta, linear_beta, m_atoms,
         tiling.row_tiles, tiling.chunk_atoms, tiling.x_atoms, tiling.warps_n, tiling.warps_k,
-        options=f"--gpu-arch {arch}" + (f" --keep-ptx --dump-dir={ptx_dir}" if ptx_dir else ""),
+        options=f"--gpu-arch {arch}" + (f" --keep-ptx --keep-cubin --dump-dir={ptx_dir}" if ptx_dir else ""),
     )
 
 

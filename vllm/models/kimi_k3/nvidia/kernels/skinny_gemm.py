@@ -114,6 +114,14 @@ class Operands:
         return Operands(1, (0, k), (0, n))
 
 
+def resident_ctas(m_atoms: int) -> int:
+    """CTAs per SM a tiling is chosen for (`choose_tiling`'s split count) and compiled for (the
+    launch's `min_blocks_per_mp`, which caps the registers): two at M <= 16, one beyond. Left to
+    itself ptxas gave the 16-warp CTAs 78 registers at M = 9-16, so one CTA an SM ran where the
+    split count assumed two (`cubin_resources`; tests/test_skinny_gemm.py checks every pick)."""
+    return 2 if m_atoms <= 2 else 1
+
+
 def choose_tiling(n: int, k: int, m_atoms: int, sm_count: int, heads: int = 1) -> Tiling:
     """The tiling measured best on the H200 for each class of K3 shape (kernels/README.md).
 
@@ -127,8 +135,9 @@ def choose_tiling(n: int, k: int, m_atoms: int, sm_count: int, heads: int = 1) -
     or 1 × 8 where N alone fills the resident CTAs and that fills their last wave better. With
     fewer chunks than warps along K, one warp per chunk. K splits across CTAs up to the resident
     CTAs, rounded down (a second, mostly empty wave cost kda_in_proj@tp16 at M = 1 20.8 against
-    16.1 µs), keeping at least one chunk per warp. Heads multiply the CTAs along N (a grid axis of
-    their own).
+    16.1 µs), keeping at least one chunk per warp; at M = 9-16 a shape that splits K takes two
+    tiles × 8 warps (`resident_ctas`; bench_skinny_gemm at M = 16, H200: moe_router 9.16 → 6.92 µs,
+    shared_gate_up@tp16 8.81 → 6.51). Heads multiply the CTAs along N (a grid axis of their own).
     """
     small_m = m_atoms <= 2
     deep = small_m and k >= 512  # the 16-warp CTAs along K
@@ -136,7 +145,7 @@ def choose_tiling(n: int, k: int, m_atoms: int, sm_count: int, heads: int = 1) -
     if k <= 128:  # a single chunk: the wider one saves a loop trip
         chunk_atoms = 8
     chunks = -(-k // (16 * chunk_atoms))
-    resident = 2 * sm_count if small_m else sm_count  # CTAs that fit at once
+    resident = resident_ctas(m_atoms) * sm_count  # CTAs that fit at once
 
     def ctas_n(warps_n: int) -> int:
         return heads * -(-n // (16 * row_tiles * warps_n))
@@ -151,8 +160,15 @@ def choose_tiling(n: int, k: int, m_atoms: int, sm_count: int, heads: int = 1) -
         warps_n, warps_k = 1, 8
     if chunks < warps_k:
         warps_n, warps_k = max(1, warps_n * warps_k // chunks), chunks
-    splits = max(1, min(resident // ctas_n(warps_n), chunks // warps_k))
-    return Tiling(row_tiles, chunk_atoms, x_atoms, warps_n, warps_k, splits)
+
+    def splits_to_fill() -> int:
+        return max(1, min(resident // ctas_n(warps_n), chunks // warps_k))
+
+    if deep and m_atoms == 2 and splits_to_fill() > 1:
+        # split K at 9-16 rows: 16 warps need more than their 64 registers there and spill in
+        # the chunk loop; two tiles × 8 warps fit two CTAs an SM in 124 registers
+        row_tiles, warps_n, warps_k = 2, 1, 8
+    return Tiling(row_tiles, chunk_atoms, x_atoms, warps_n, warps_k, splits_to_fill())
 
 
 @cute.jit
@@ -362,6 +378,12 @@ def _skinny_gemm_host(
         block=(32 * warps_n * warps_k, 1, 1),
         stream=stream,
         use_pdl=True,
+        # registers capped for the residency the tiling assumes; at one 8-row atom every pick
+        # fits 64 registers by itself, and the cap there only moved the split-K tail's registers
+        # to the stack. With a cap the carveout is named (the driver's default, -1), or the
+        # compile would query a device for it
+        min_blocks_per_mp=resident_ctas(m_atoms) if m_atoms > 1 else 0,
+        preferred_smem_carveout=-1 if m_atoms > 1 else None,
     )
 
 
@@ -374,7 +396,8 @@ def compile_skinny_gemm(n: int, k: int, m_atoms: int, out_dtype: torch.dtype, ti
     """Compile for one static shape, operand layout (default: `Operands.plain`) and arch
     ('sm_90a', 'sm_100a', ...); needs no GPU.
 
-    With ptx_dir the PTX is kept in the result's `artifacts.PTX` (and written into ptx_dir).
+    With ptx_dir the PTX and the cubin are kept in the result's `artifacts.PTX` and
+    `artifacts.CUBIN` (and written into ptx_dir).
     """
     return cute.compile(
         _skinny_gemm_host,
@@ -382,7 +405,7 @@ def compile_skinny_gemm(n: int, k: int, m_atoms: int, out_dtype: torch.dtype, ti
         _ptr(Float32, 16), _ptr(Int32, 16, 4), Int32(1), Float32(1.0), cute.runtime.make_fake_stream(),
         n, k, m_atoms, tiling.row_tiles, tiling.chunk_atoms, tiling.x_atoms,
         tiling.warps_n, tiling.warps_k, tiling.splits, ops or Operands.plain(n, k),
-        options=f"--gpu-arch {arch}" + (f" --keep-ptx --dump-dir={ptx_dir}" if ptx_dir else ""),
+        options=f"--gpu-arch {arch}" + (f" --keep-ptx --keep-cubin --dump-dir={ptx_dir}" if ptx_dir else ""),
     )
 
 

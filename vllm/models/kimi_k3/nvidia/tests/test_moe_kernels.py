@@ -29,6 +29,7 @@ import torch
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install nvidia-cutlass-dsl==4.8.1)")
 
 from vllm.models.kimi_k3.nvidia.kernels import moe_combine, moe_experts, moe_router  # noqa: E402
+from vllm.models.kimi_k3.nvidia.kernels.cubin_resources import kernel_resources  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.device import facts  # noqa: E402
 from vllm.models.kimi_k3.nvidia.latency_specialized.config import PRESETS  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_kernel_test  # noqa: E402
@@ -276,6 +277,26 @@ def test_expert_gemv_compiles_for_arch(arch, which, inter, i_pad, m_atoms, tmp_p
     assert not re.search(r"\b(ld|st)\.local", ptx), "registers spilled to local memory"
     if gate_up:
         assert "ex2" in ptx  # σ(g) of the SiTU epilogue
+
+
+@pytest.mark.parametrize("tp", [16, 8])
+def test_expert_gemv_residency(tp, tmp_path):
+    """Beyond 16 rows the launch caps registers for EXPERT_CTAS_PER_SM CTAs an SM (the loop copies
+    for many rows then spill, the ones for up to 16 rows an expert do not); up to 16 rows the
+    kernel keeps what ptxas gives it, which spills nothing."""
+    inter = K3.moe_intermediate_size // tp
+    for gate_up in (True, False):
+        n_out, k = (inter, H_LAT) if gate_up else (H_LAT, inter)
+        for m_atoms in range(1, 9):
+            t = moe_experts.choose_tiling(gate_up, n_out, k, m_atoms)
+            used = kernel_resources(moe_experts.compile_expert_gemv(
+                gate_up, K3.num_experts, TOP_K, n_out, k, m_atoms, None, None, t, "sm_90a",
+                ptx_dir=str(tmp_path)).artifacts.CUBIN)
+            if m_atoms > 2:
+                assert used.ctas_per_sm(32 * t.warps_n * t.warps_k) >= moe_experts.EXPERT_CTAS_PER_SM, (
+                    tp, gate_up, m_atoms, used)
+            else:
+                assert used.frame_bytes == 0, (tp, gate_up, m_atoms, used)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])

@@ -22,6 +22,7 @@ import torch
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install nvidia-cutlass-dsl==4.8.1)")
 
 from vllm.models.kimi_k3.nvidia.kernels import skinny_gemm  # noqa: E402
+from vllm.models.kimi_k3.nvidia.kernels.cubin_resources import kernel_resources  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.shapes import k3_gemm_shapes  # noqa: E402
 from vllm.models.kimi_k3.nvidia.latency_specialized.evidence import write_record  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.ops import BF16, F32, bf16_add, linear  # noqa: E402
@@ -137,6 +138,25 @@ def test_compiles_for_arch(arch, name, m_atoms, tmp_path):
     order = [ptx.index(op) for op in ("griddepcontrol.launch_dependents", "ld.global.v4", "griddepcontrol.wait",
                                       "mma.sync")]
     assert order == sorted(order), order
+
+
+def test_every_pick_fits_the_residency_it_was_chosen_for(tmp_path):
+    """choose_tiling sizes its split count for `resident_ctas` CTAs an SM; the registers ptxas gives
+    each pick (read from the cubin) must allow that many, with nothing spilled. Until the launch
+    capped them, the 16-warp picks got 78 registers at M = 9-16: one CTA an SM, not two."""
+    seen = set()
+    for s in SHAPES:
+        for m_atoms in range(1, 9):
+            t = skinny_gemm.choose_tiling(s.n, s.k, m_atoms, 132)
+            if (s.n, s.k, s.out_dtype, m_atoms, t) in seen:
+                continue
+            seen.add((s.n, s.k, s.out_dtype, m_atoms, t))
+            compiled = skinny_gemm.compile_skinny_gemm(s.n, s.k, m_atoms, s.out_dtype, t, "sm_90a",
+                                                       ptx_dir=str(tmp_path))
+            used = kernel_resources(compiled.artifacts.CUBIN)
+            assert used.ctas_per_sm(32 * t.warps_n * t.warps_k) >= skinny_gemm.resident_ctas(m_atoms), (s.name, m_atoms,
+                                                                                                       t, used)
+            assert used.frame_bytes == 0, (s.name, m_atoms, t, used)
 
 
 # the step's operand layouts and epilogues at TP16's shapes (K3: 6 MLA heads a rank, fused_a
