@@ -41,6 +41,12 @@ warp's two 16-row tiles are gate rows n.. and the matching up rows I + n.., so a
 gate and up of the same output and applies SiTU directly. No split-K across CTAs, so no
 scratch counters; the h and o buffers are per device and shape, reused by every launch (launches
 must be stream-ordered, as the skinny GEMM's).
+
+PDL: both passes release their dependents first. The down pass is launched as a PDL dependent,
+so its CTAs group their picks and put the first W chunk in flight while the gate/up pass
+finishes, and wait (griddepcontrol.wait) before they read h. Reading the ids before that wait is
+safe because the gate/up pass is a plain launch: it starts only after the router's kernels are
+done, and the down pass cannot start before it has.
 """
 
 from __future__ import annotations
@@ -224,6 +230,10 @@ def _expert_rows_gemv(w_vec: cute.Tensor, x_vec: cute.Tensor, src_row: cute.Tens
     if my_chunks > 0:
         _load_w(w_vec, w_next, gate_up, up_at, row_tiles, warps_n, tile, wn, g,
                 wk * (chunk_k // 8) + c * (lane_elems // 8), lane_elems // 8)
+    if const_expr(not gate_up):
+        # the down pass is a PDL dependent of the gate/up pass: its first W chunk (which no kernel
+        # writes) is in flight while that pass finishes; h is read, and o written, only after it
+        cute.arch.griddepcontrol_wait()
     for it in cutlass.range(my_chunks):
         chunk = wk + it * warps_k
         # chunk i+1 is in flight while chunk i is multiplied
@@ -379,6 +389,7 @@ def _expert_gemv_host(
         # -1), or the compile would query a device for it
         min_blocks_per_mp=EXPERT_CTAS_PER_SM if m_atoms > 2 else 0,
         preferred_smem_carveout=-1 if m_atoms > 2 else None,
+        use_pdl=not gate_up,
     )
 
 

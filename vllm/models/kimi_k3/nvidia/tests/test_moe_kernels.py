@@ -277,6 +277,13 @@ def test_expert_gemv_compiles_for_arch(arch, which, inter, i_pad, m_atoms, tmp_p
     assert not re.search(r"\b(ld|st)\.local", ptx), "registers spilled to local memory"
     if gate_up:
         assert "ex2" in ptx  # σ(g) of the SiTU epilogue
+        # a plain launch: it reads the router's ids at once, so it must not start early
+        assert "griddepcontrol.wait" not in ptx
+    else:
+        # PDL: the first W chunk in flight before the wait on the gate/up pass, no h read (MMA) before it
+        order = [ptx.index(op) for op in ("griddepcontrol.launch_dependents", "ld.global.v4", "griddepcontrol.wait",
+                                          "mma.sync")]
+        assert order == sorted(order), order
 
 
 @pytest.mark.parametrize("tp", [16, 8])
