@@ -19,7 +19,8 @@ In one process, per (TP, rows, tokens per request q, context):
 | standard eager | `ReferenceModel.forward` + LM head on CUDA (cuBLAS GEMMs, torch ops, per-request loops) |
 | standard graphed | `SpecializedDecode` with `TorchOps`: plain PyTorch on cuBLAS, captured in the same kind of CUDA graph (the strongest standard baseline built here) |
 
-Times are medians of CUDA-event-timed steps after warm-up; the floor is the bytes the step must
+Times are medians of CUDA-event-timed steps after warm-up (the eager standard step's: of the
+parity run's own eager steps, each between two device syncs, the first left out); the floor is the bytes the step must
 touch (every dense weight of the block, the experts its rows selected, once each; the KDA
 states read and written; the MLA cache read over the context; embedding rows and the LM-head
 shard) over the copy bandwidth measured in the same run. Before timing, each path's logits are
@@ -53,6 +54,8 @@ from .bench_skinny_gemm import copy_bandwidth_TBps
 
 BLOCK_LAYERS = 12
 FULL_LAYERS = 93
+# parity steps beyond the first that time the eager standard step in place of a timing run of its own
+EAGER_TIMED_STEPS_MIN = 5
 # everything a step's figures depend on: the executor and its ops, the kernels, the weights'
 # layout and the reference the standard path and the parity checks run
 SOURCES = (*(f"vllm/models/kimi_k3/nvidia/latency_specialized/{f}.py" for f in (
@@ -175,12 +178,14 @@ def floor_bytes(model: ReferenceModel, ex: SpecializedDecode, key: tuple[int, in
 
 
 def parity_lockstep(model: ReferenceModel, executors: dict[str, SpecializedDecode], std_state, slots: list[int],
-                    q: int, steps: int, gen: torch.Generator, *, required: str) -> tuple[dict, dict]:
+                    q: int, steps: int, gen: torch.Generator, *, required: str,
+                    eager_ms: list[float] | None = None) -> tuple[dict, dict]:
     """Logits of every executor against the standard eager path over `steps` steps, in lockstep:
     all start from the first executor's state, take the same ids (the standard path's greedy
     token after the first, random, step), and one eager standard step per step serves them all.
     Returns ({name: summary}, {name: why dropped}): an executor that raises is dropped, except
-    `required`, whose error propagates."""
+    `required`, whose error propagates. Each eager step's wall time, the GPU idle before and
+    drained after, is appended to `eager_ms` where given."""
     first = next(iter(executors.values()))
     copy_state(std_state, first.state)
     for ex in executors.values():
@@ -193,7 +198,15 @@ def parity_lockstep(model: ReferenceModel, executors: dict[str, SpecializedDecod
     top1: dict[str, list[float]] = {name: [] for name in executors}
     kls: dict[str, list[float]] = {name: [] for name in executors}
     for _ in range(steps):
+        cuda = ids.is_cuda and eager_ms is not None
+        if cuda:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
         want = model.logits(model.forward(ids, _segments(std_state, slots, q), std_state))
+        if cuda:
+            torch.cuda.synchronize()
+        if eager_ms is not None:
+            eager_ms.append((time.perf_counter() - t0) * 1e3)
         lp = torch.log_softmax(want.double(), -1)
         for name, ex in list(live.items()):
             try:
@@ -239,8 +252,9 @@ def run_point(model, executors: dict, std_state, tp: int, rows: int, q: int, con
             st.free(r)
     slots = fill_state(spec.state, requests, context, gen)
     base = {"tp": tp, "rows": rows, "q": q, "context": context, "requests": requests}
+    eager_ms: list[float] = []
     par, dropped = parity_lockstep(model, every, std_state, slots, q, parity_steps_at(rows, parity_steps), gen,
-                                   required="specialized")
+                                   required="specialized", eager_ms=eager_ms)
     for name, why in dropped.items():
         print(f"[decode_latency] {name} dropped: {why}", file=sys.stderr)
         executors.pop(name, None)
@@ -259,7 +273,7 @@ def run_point(model, executors: dict, std_state, tp: int, rows: int, q: int, con
     def std_step():
         model.logits(model.forward(ids, segs, std_state))
         _rollback(std_state, slots, q)
-    times["standard_eager"] = median_ms(std_step, max(3, reps // 4))
+    times["standard_eager"] = eager_step_ms(eager_ms, lambda: median_ms(std_step, max(3, reps // 4)))
     fb = floor_bytes(model, spec, key, requests, context)
     floor_ms = fb / (copy_bw * 1e12) * 1e3
     t_spec = times["specialized"]
@@ -274,6 +288,14 @@ def run_point(model, executors: dict, std_state, tp: int, rows: int, q: int, con
     res["status"] = parity_status(par)
     out.append(res)
     return out
+
+
+def eager_step_ms(parity_ms: list[float], time_again: Callable[[], float]) -> float:
+    """The eager standard step's time: the median of the parity run's own eager steps after the
+    first (its warm-up), where there are enough of them, else `time_again()`. Timing it apart cost
+    10 eager steps a point, up to 2.8 s each at 64 rows: a quarter of the decode records' device
+    time (2026-12-04)."""
+    return statistics.median(parity_ms[1:]) if len(parity_ms) > EAGER_TIMED_STEPS_MIN else time_again()
 
 
 def parity_steps_at(tokens_per_step: int, parity_steps: int) -> int:

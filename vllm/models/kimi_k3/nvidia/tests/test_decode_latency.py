@@ -66,8 +66,10 @@ def test_lockstep_parity_serves_every_path_from_one_standard_run():
             ex.state.allocate()
     failing.ops.armed = True
     std = model.new_state(max_requests=2, max_len=64)
+    eager_ms = []
     par, dropped = parity_lockstep(model, {"exact": exact, "noisy": noisy, "failing": failing}, std, slots, 1, 6,
-                                   torch.Generator().manual_seed(1), required="exact")
+                                   torch.Generator().manual_seed(1), required="exact", eager_ms=eager_ms)
+    assert len(eager_ms) == 6 and min(eager_ms) > 0  # each standard step's own time
     assert set(par) == {"exact", "noisy"} and "broken on purpose" in dropped["failing"]
     assert par["exact"]["rel_err_max"] == 0 and par["exact"]["top1_agreement"] == 1.0
     assert par["exact"]["tokens"] == par["noisy"]["tokens"] == 12
@@ -87,7 +89,7 @@ def test_a_point_runs_parity_over_at_least_the_minimum_tokens(monkeypatch, rows,
     PARITY_MIN_TOKENS / 8 tokens: one row's 8 steps judged the yardstick on 8 tokens."""
     seen = {}
 
-    def capture(model, executors, std_state, slots, q_, n, gen, *, required):
+    def capture(model, executors, std_state, slots, q_, n, gen, *, required, eager_ms=None):
         seen.update(steps=n, q=q_, requests=len(slots))
         raise _Stop
 
@@ -102,3 +104,11 @@ def test_a_point_runs_parity_over_at_least_the_minimum_tokens(monkeypatch, rows,
     assert seen == {"steps": steps, "q": q, "requests": requests}
     assert steps * rows >= PARITY_MIN_TOKENS
     assert decode_latency.parity_steps_at(64, 8) == 8 and decode_latency.parity_steps_at(1, 100) == 100
+
+
+def test_the_eager_step_is_timed_on_the_parity_steps_when_there_are_enough():
+    def again():
+        raise AssertionError("timed again")
+    # the first step, a warm-up, is left out of the median
+    assert decode_latency.eager_step_ms([900.0, 5.0, 7.0, 6.0, 5.5, 6.5, 6.0], again) == 6.0
+    assert decode_latency.eager_step_ms([900.0, 5.0, 7.0], lambda: 42.0) == 42.0  # too few: timed apart
