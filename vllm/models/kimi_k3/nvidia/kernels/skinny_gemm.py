@@ -414,6 +414,13 @@ def _strides(t: torch.Tensor) -> tuple[int, int]:
     return (0, t.stride(0)) if t.dim() == 2 else (t.stride(1), t.stride(0))
 
 
+def reads_in_place(x: torch.Tensor) -> bool:
+    """Whether the GEMM can read x's rows where they are: unit stride along K, head and row
+    strides that are multiples of 8 elements, 16-byte aligned (a column slice of a wider
+    output qualifies when its first column does)."""
+    return x.stride(-1) == 1 and all(st % 8 == 0 for st in _strides(x)) and x.data_ptr() % 16 == 0
+
+
 def check_envelope(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, out_dtype: torch.dtype,
                    epilogue: tuple[str, torch.Tensor | None] = ("none", None)) -> None:
     """Raise SkinnyGemmEnvelopeError naming what is outside the envelope (no GPU work)."""
@@ -436,9 +443,9 @@ def check_envelope(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, o
     need(k % 8 == 0 and k > 0, f"K={k} must be a positive multiple of 8 (16-byte rows); pad K with zeros")
     need(n % 16 == 0 and n > 0, f"N={n} must be a positive multiple of 16; pad W with zero rows")
     need(w.is_contiguous(), "w must be contiguous (row-major); call .contiguous()")
-    need(x.stride(-1) == 1 and all(st % 8 == 0 for st in _strides(x)),
-         f"x must have unit stride along K and head/row strides that are multiples of 8 elements, got strides "
-         f"{tuple(x.stride())}; call .contiguous()")
+    need(reads_in_place(x),
+         f"x must have unit stride along K, head/row strides that are multiples of 8 elements and a 16-byte "
+         f"aligned start, got strides {tuple(x.stride())} at address % 16 = {x.data_ptr() % 16}; call .contiguous()")
     y_shape = (m, n) if x.dim() == 2 else (m, heads, n)
     if out is not None:
         need(tuple(out.shape) == y_shape and out.dtype == out_dtype and out.stride(-1) == 1,
@@ -456,8 +463,8 @@ def check_envelope(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, o
     tensors = [t for t in (x, w, out, operand) if t is not None]
     need(all(t.device.type == "cuda" for t in tensors), "x, w, out and the epilogue operand must be CUDA tensors")
     need(all(t.device == x.device for t in tensors), "x, w, out and the epilogue operand must be on one device")
-    need(all(t.data_ptr() % 16 == 0 for t in (x, w)) and (out is None or out.data_ptr() % 16 == 0),
-         "x, w and out must be 16-byte aligned (fresh allocations are; a column slice must start at a multiple "
+    need(all(t.data_ptr() % 16 == 0 for t in (w, out) if t is not None),
+         "w and out must be 16-byte aligned (fresh allocations are; a column slice must start at a multiple "
          "of 8 elements)")
 
 

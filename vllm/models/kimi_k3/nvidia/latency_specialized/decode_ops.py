@@ -231,7 +231,7 @@ class KernelOps(DecodeOps):
 
     def linear(self, x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype = BF16, *,
                addend: torch.Tensor | None = None, scale: float | None = None) -> torch.Tensor:
-        if x.stride(-1) != 1 or x.stride(0) % 8 or x.data_ptr() % 16:  # rows the GEMM cannot read in place
+        if not self.k_gemm.reads_in_place(x):
             x = self.copy(x)
         self._rec("skinny_gemm")
         return self.k_gemm.launch(x, w, out_dtype=out_dtype, addend=addend, scale=scale)

@@ -57,6 +57,15 @@ def _ok_inputs(m=4, n=32, k=64):
     return torch.randn(m, k).to(torch.bfloat16), torch.randn(n, k).to(torch.bfloat16)
 
 
+def test_reads_in_place_is_the_envelope_rule_for_x():
+    wide = torch.randn(4, 3, 80).to(torch.bfloat16)
+    assert skinny_gemm.reads_in_place(wide[:, 0, :64])  # a column slice at a 16-byte boundary
+    assert skinny_gemm.reads_in_place(wide[:, :, 8:72])  # per head, head stride 80
+    assert not skinny_gemm.reads_in_place(wide[:, 0, 4:68])  # starts 8 bytes into a 16-byte unit
+    assert not skinny_gemm.reads_in_place(torch.randn(4, 70).to(torch.bfloat16)[:, :64])  # row stride 70
+    assert not skinny_gemm.reads_in_place(torch.randn(64, 4).to(torch.bfloat16).t())  # K not unit stride
+
+
 @pytest.mark.parametrize("case, match", [
     ("dtype", "bfloat16"),
     ("rows", "M=65"),
@@ -66,6 +75,7 @@ def _ok_inputs(m=4, n=32, k=64):
     ("kmismatch", "K=64 columns but w has K=72"),
     ("out", "out must be"),
     ("xstride", "multiples of 8 elements"),
+    ("xalign", "16-byte aligned start"),
     ("heads", "x has 3 heads but w has 2"),
     ("two", "at most one epilogue"),
     ("addend", "the add operand must be a [4, 32] bfloat16"),
@@ -90,6 +100,8 @@ def test_envelope_errors(case, match):
         out = torch.empty(4, 16, dtype=torch.bfloat16)
     elif case == "xstride":
         x = torch.randn(4, 68).to(torch.bfloat16)[:, 2:66]
+    elif case == "xalign":  # row stride 72 is fine, the slice starts 8 bytes into a 16-byte unit
+        x = torch.randn(4, 72).to(torch.bfloat16)[:, 4:68]
     elif case == "heads":
         x, w = torch.randn(4, 3, 64).to(torch.bfloat16), torch.randn(2, 32, 64).to(torch.bfloat16)
     kw = {}
