@@ -46,7 +46,7 @@ def candidates(gate_up: bool, n_out: int, k: int, m_atoms: int) -> list[ExpertTi
     along K has a chunk, 2–8 warps (the grouping needs 64 threads), partial sums fit in shared
     memory. Register pressure is not filtered: a tiling that spills shows as slow."""
     out = []
-    for row_tiles in ((2,) if gate_up else (1, 2)):
+    for row_tiles in (1, 2):
         for chunk_atoms, x_atoms in ((8, 4), (4, 2)):
             if k % (16 * chunk_atoms):
                 continue
@@ -72,7 +72,8 @@ def sweep_pass(tp: int, gate_up: bool, m: int, w: torch.Tensor, xs: list[torch.T
     n_out, k = (inter, ld) if gate_up else (w_rows, inter)
     m_atoms = -(-m // 8)
     beta, linear_beta = activation_clips(K3) if gate_up else (None, None)
-    pick = moe_experts.choose_tiling(gate_up, n_out, k, m_atoms)
+    pick = moe_experts.choose_tiling(gate_up, n_out, k, m_atoms, min(m * top_k, n_experts),
+                                     facts(w.device).sm_count)
     outs = [torch.empty((m * top_k, n_out), dtype=torch.bfloat16, device="cuda") for _ in ids]
     reference = None
     rows = []

@@ -37,8 +37,10 @@ GEMV (as kernels/skinny_gemm.py): W is the mma.sync m16n8k16 A operand, loaded b
 register loads in a K order permuted so the registers already are fragments; the gathered x
 rows are the B operand; each warp keeps the next K chunk in flight; the warps of a CTA split
 the expert's rows (warps_n) and K (warps_k), partial sums meet in shared memory. For gate/up a
-warp's two 16-row tiles are gate rows n.. and the matching up rows I + n.., so a thread holds
-gate and up of the same output and applies SiTU directly. No split-K across CTAs, so no
+warp's W rows are gate rows n.. and the matching up rows I + n.. (two 16-row tiles, 16 outputs;
+or one tile, gate rows in its upper and up rows in its lower 8, 8 outputs and twice the CTAs,
+where that loads the SMs more evenly: `choose_tiling`), so a thread holds gate and up of the
+same output and applies SiTU directly. No split-K across CTAs, so no
 scratch counters; the h and o buffers are per device and shape, reused by every launch (launches
 must be stream-ordered, as the skinny GEMM's).
 
@@ -51,7 +53,7 @@ done, and the down pass cannot start before it has.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import cuda.bindings.driver as cuda
@@ -78,7 +80,7 @@ class MoEExpertsEnvelopeError(ValueError):
 class ExpertTiling:
     """How one expert's GEMV is cut into warps and CTAs (all compile-time)."""
 
-    row_tiles: int  # 16-row W tiles per warp (2 for gate/up: one gate, one up)
+    row_tiles: int  # 16-row W tiles per warp; gate/up: 8·row_tiles outputs, each a gate and an up row
     chunk_atoms: int  # k16 atoms of one K chunk a warp loads at once (even)
     x_atoms: int  # k16 atoms of x per MMA step (even, divides chunk_atoms)
     warps_n: int
@@ -93,15 +95,23 @@ class ExpertTiling:
 
     def block_out(self, gate_up: bool) -> int:
         """Output columns of one CTA (gate/up: hidden columns, each from a gate and an up row)."""
-        return 16 * self.warps_n * (1 if gate_up else self.row_tiles)
+        return 16 * self.warps_n * self.row_tiles // (2 if gate_up else 1)
 
     @property
     def chunk_k(self) -> int:
         return 16 * self.chunk_atoms
 
 
-def choose_tiling(gate_up: bool, n_out: int, k: int, m_atoms: int) -> ExpertTiling:
-    """Tiling of one expert's [n_out, k] GEMV (gate/up: 2·n_out weight rows).
+def wave_fill(ctas: int, sm_count: int) -> float:
+    """How evenly `ctas` equal CTAs, all resident at once, load `sm_count` SMs: the mean SM's
+    share of the busiest one's (which sets the time of a bandwidth-bound pass)."""
+    return ctas / (sm_count * -(-ctas // sm_count))
+
+
+def choose_tiling(gate_up: bool, n_out: int, k: int, m_atoms: int, experts: int = 0,
+                  sm_count: int = 0) -> ExpertTiling:
+    """Tiling of one expert's [n_out, k] GEMV (gate/up: 2·n_out weight rows); `experts` (those the
+    step may select, at most M·k) and `sm_count`, where given, let gate/up take 8-output warps.
 
     The skinny GEMM's H200-measured classes: up to 16 rows 128-wide chunks, beyond that
     64-wide ones and two row tiles per warp so the accumulators fit; 8 warps, 4 along K
@@ -110,6 +120,11 @@ def choose_tiling(gate_up: bool, n_out: int, k: int, m_atoms: int) -> ExpertTili
     (benchmarks/sweep_moe_tiling.py, H200, TP16): gate/up at M <= 8 puts all 8 warps along K over
     64-wide chunks, one 16-row pair per warp: 14.5 µs at M = 1 and about 82 at M = 8 against
     17.7 and 131 for the class above, whose 8 warps with 128-wide chunks were the slowest at M = 8.
+
+    Gate/up warps cover 8 outputs instead of 16 where that loads the SMs more evenly (`wave_fill`
+    of the selected experts' CTAs, all resident): at TP16 and one row, 16 experts × 12 CTAs of
+    229 KB put two CTAs on 60 SMs and one on 72 (0.73 of the mean), so the pass took 14.5 µs
+    against 10.4 for its bytes; 384 CTAs of half the bytes put 2 or 3 on each (0.97).
     """
     small_m = m_atoms <= 2
     chunk_atoms, x_atoms = (8, 4) if small_m and not (gate_up and m_atoms == 1) else (4, 2)
@@ -123,16 +138,26 @@ def choose_tiling(gate_up: bool, n_out: int, k: int, m_atoms: int) -> ExpertTili
         warps_n //= 2
     if warps_n * warps_k < 2:  # keep >= 64 threads for the grouping scan
         warps_k = 2
-    return ExpertTiling(row_tiles, chunk_atoms, x_atoms, warps_n, warps_k)
+    t = ExpertTiling(row_tiles, chunk_atoms, x_atoms, warps_n, warps_k)
+    if gate_up and experts and sm_count:
+        half = replace(t, row_tiles=1)
+        # only a clear gain: halving the CTAs' bytes doubles their fixed costs
+        if wave_fill(experts * (n_out // half.block_out(True)), sm_count) > \
+                wave_fill(experts * (n_out // t.block_out(True)), sm_count) + 0.1:
+            t = half
+    return t
 
 
 def weight_row(gate_up: bool, up_at: int, row_tiles: int, warps_n: int, tile, wn, g, i: int):
     """The expert's weight row that register row i of lane group g in warp wn of CTA `tile`
-    loads: i // 2 is the warp's 16-row tile, i % 2 its 8-row half. For gate/up tile 0 holds gate
-    rows and tile 1 the matching up rows, which start at row up_at (w13's padded half; unused for
-    down). Plain arithmetic: the kernel calls it on device integers, the CPU tests on Python ints."""
+    loads: i // 2 is the warp's 16-row tile, i % 2 its 8-row half. For gate/up the first
+    row_tiles register rows are gate rows and the rest the matching up rows, which start at row
+    up_at (w13's padded half; unused for down): with two tiles, tile 0 gate and tile 1 up; with
+    one, its upper half gate and its lower half up. Plain arithmetic: the kernel calls it on
+    device integers, the CPU tests on Python ints."""
     if gate_up:
-        return tile * 16 * warps_n + wn * 16 + g + (i // 2) * up_at + 8 * (i % 2)
+        per_warp = 8 * row_tiles  # outputs
+        return tile * per_warp * warps_n + wn * per_warp + g + 8 * (i % row_tiles) + (i // row_tiles) * up_at
     return tile * 16 * row_tiles * warps_n + wn * 16 * row_tiles + g + (i // 2) * 16 + 8 * (i % 2)
 
 
@@ -142,9 +167,11 @@ def block_column(row_tiles: int, wn, r: int, v1: int, g):
     return wn * 16 * row_tiles + 16 * r + 8 * v1 + g
 
 
-def gate_column(col):
-    """For gate/up: the block column of hidden column `col`'s gate sum (its up sum is 16 on)."""
-    return (col // 16) * 32 + col % 16
+def gate_column(col, row_tiles: int):
+    """For gate/up: the block column of hidden column `col`'s gate sum (its up sum is
+    8·row_tiles on: a warp's block of 16·row_tiles columns holds its gate sums, then its up sums)."""
+    per_warp = 8 * row_tiles
+    return (col // per_warp) * 2 * per_warp + col % per_warp
 
 
 @cute.jit
@@ -351,12 +378,13 @@ def _expert_gemv_kernel(
             slot = idx // block_out
             col = idx % block_out
             if const_expr(gate_up):
-                gate_col = gate_column(col)
+                gate_col = gate_column(col, row_tiles)
+                up_col = gate_col + 8 * row_tiles
                 gate = red[0, slot, gate_col]
-                up = red[0, slot, gate_col + 16]
+                up = red[0, slot, up_col]
                 for q in cutlass.range_constexpr(1, warps_k):
                     gate += red[q, slot, gate_col]
-                    up += red[q, slot, gate_col + 16]
+                    up += red[q, slot, up_col]
                 out[dst_pick[slot], tile * block_out + col] = situ(gate, up, beta, linear_beta).to(BFloat16)
             else:
                 total = red[0, slot, col]
@@ -374,7 +402,7 @@ def _expert_gemv_host(
     row_tiles: Constexpr, chunk_atoms: Constexpr, x_atoms: Constexpr,
     warps_n: Constexpr, warps_k: Constexpr,
 ):
-    block_out = 16 * warps_n * (1 if gate_up else row_tiles)
+    block_out = ExpertTiling(row_tiles, chunk_atoms, x_atoms, warps_n, warps_k).block_out(gate_up)
     _expert_gemv_kernel(
         w_ptr, x_ptr, ids_ptr, out_ptr, m, n_experts, top_k, n_out, k, w_rows, ld, gate_up, beta, linear_beta,
         m_atoms, row_tiles, chunk_atoms, x_atoms, warps_n, warps_k,
@@ -486,7 +514,7 @@ def _gemv(dev: DeviceFacts, gate_up: bool, w: torch.Tensor, x: torch.Tensor, ids
     n_experts, w_rows, ld = w.shape
     top_k = ids.shape[1]
     m_atoms = -(-m // 8)
-    tiling = choose_tiling(gate_up, n_out, k, m_atoms)
+    tiling = choose_tiling(gate_up, n_out, k, m_atoms, min(m * top_k, n_experts), dev.sm_count)
     key = (gate_up, n_experts, top_k, n_out, k, w_rows, ld, m_atoms, beta, linear_beta, dev.arch, tiling)
     fn = _COMPILED.get(key)
     if fn is None:

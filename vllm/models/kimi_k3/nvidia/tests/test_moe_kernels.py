@@ -21,6 +21,7 @@ as a "kernel-test" record.
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -192,12 +193,24 @@ def test_tiling_covers_every_per_rank_shape(tp):
             assert 64 <= 32 * t.warps_n * t.warps_k <= 256
             assert t.warps_k <= k // t.chunk_k, "a warp along K without a chunk"
             if gate_up:
-                assert t.row_tiles == 2, "gate/up pairs one gate and one up tile per warp"
+                assert t.row_tiles == 2, "without the step's experts and SMs, gate/up keeps 16 outputs a warp"
+
+
+@pytest.mark.parametrize("tp, rows, row_tiles", [(16, 1, 1), (16, 2, 2), (16, 8, 2), (8, 1, 2), (1, 1, 2)])
+def test_gate_up_takes_8_output_warps_where_that_loads_the_sms_evenly(tp, rows, row_tiles):
+    """At TP16 and one row, 16 experts × 12 CTAs of 16 outputs leave 60 of 132 SMs with two and
+    72 with one; 8 outputs a warp make 384 CTAs, two or three an SM. Elsewhere the CTAs already
+    fill the SMs evenly and stay whole."""
+    inter = moe_experts.read_width(TP_SHAPES[tp][1])
+    t = moe_experts.choose_tiling(True, inter, H_LAT, -(-rows // 8), min(rows * TOP_K, K3.num_experts), 132)
+    assert t.row_tiles == row_tiles, t
+    assert inter % t.block_out(True) == 0
 
 
 @pytest.mark.parametrize("tp", sorted(TP_SHAPES))
 @pytest.mark.parametrize("m_atoms", [1, 8])
-def test_index_maps_cover_each_weight_row_once_and_pair_gate_with_up(tp, m_atoms):
+@pytest.mark.parametrize("gate_up_tiles", [2, 1])
+def test_index_maps_cover_each_weight_row_once_and_pair_gate_with_up(tp, m_atoms, gate_up_tiles):
     """The kernel's own index maps, on Python ints: over all CTAs, warps, lane groups and
     register rows every weight row of an expert is loaded exactly once; the shared-memory
     column each accumulator lands in is the one the epilogue reads for its output column; for
@@ -207,6 +220,8 @@ def test_index_maps_cover_each_weight_row_once_and_pair_gate_with_up(tp, m_atoms
     inter = moe_experts.read_width(real)
     for gate_up, n_out, k in ((True, inter, H_LAT), (False, H_LAT, inter)):
         t = moe_experts.choose_tiling(gate_up, n_out, k, m_atoms)
+        if gate_up:  # both layouts: two tiles (gate, up) or one (gate rows above, up rows below)
+            t = replace(t, row_tiles=gate_up_tiles)
         block_out = t.block_out(gate_up)
         seen = torch.zeros(2 * i_pad if gate_up else n_out, dtype=torch.int32)
         # block column -> weight row, for every CTA tile
@@ -225,8 +240,9 @@ def test_index_maps_cover_each_weight_row_once_and_pair_gate_with_up(tp, m_atoms
             for col in range(block_out):
                 n = tile * block_out + col
                 if gate_up:
-                    gate_col = moe_experts.gate_column(col)
-                    assert col_row[gate_col] == n and col_row[gate_col + 16] == i_pad + n, (tp, tile, col)
+                    gate_col = moe_experts.gate_column(col, t.row_tiles)
+                    up_col = gate_col + 8 * t.row_tiles
+                    assert col_row[gate_col] == n and col_row[up_col] == i_pad + n, (tp, tile, col)
                 else:
                     assert col_row[col] == n, (tp, tile, col)
         want = torch.ones_like(seen)
@@ -253,19 +269,21 @@ def test_atom_steps_hold_every_row_count_with_at_most_half_wasted(m_atoms):
 
 # ---------------------------------------------------------------- compile checks (CPU)
 
-COMPILE_CASES = [  # (pass, per-rank intermediate read, as stored, m_atoms)
-    ("gate_up", 384, 384, 1),   # TP8, M <= 8
-    ("down", 192, 256, 8),      # TP16, M = 64: 192 real columns of the 256-wide padded slice
+COMPILE_CASES = [  # (pass, per-rank intermediate read, as stored, m_atoms, experts selected)
+    ("gate_up", 384, 384, 1, 0),    # TP8, M <= 8
+    ("gate_up", 192, 256, 1, 16),   # TP16, M = 1: 8-output warps
+    ("down", 192, 256, 8, 0),       # TP16, M = 64: 192 real columns of the 256-wide padded slice
 ]
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
-@pytest.mark.parametrize("which, inter, i_pad, m_atoms", COMPILE_CASES)
-def test_expert_gemv_compiles_for_arch(arch, which, inter, i_pad, m_atoms, tmp_path):
+@pytest.mark.parametrize("which, inter, i_pad, m_atoms, experts", COMPILE_CASES)
+def test_expert_gemv_compiles_for_arch(arch, which, inter, i_pad, m_atoms, experts, tmp_path):
     gate_up = which == "gate_up"
     n_out, k = (inter, H_LAT) if gate_up else (H_LAT, inter)
     w_rows, ld = (2 * i_pad, H_LAT) if gate_up else (H_LAT, i_pad)
-    t = moe_experts.choose_tiling(gate_up, n_out, k, m_atoms)
+    t = moe_experts.choose_tiling(gate_up, n_out, k, m_atoms, experts, 132)
+    assert t.row_tiles == (1 if experts else 2) or not gate_up, t
     beta, lin = (BETA, LINEAR_BETA) if gate_up else (None, None)
     ptx = moe_experts.compile_expert_gemv(gate_up, K3.num_experts, TOP_K, n_out, k, m_atoms, beta, lin, t,
                                           arch, ptx_dir=str(tmp_path), w_rows=w_rows, ld=ld).artifacts.PTX

@@ -23,6 +23,9 @@ def test_candidates_are_launchable_and_hold_the_pick(tp):
         for m_atoms in range(1, 9):
             found = candidates(gate_up, n_out, k, m_atoms)
             assert moe_experts.choose_tiling(gate_up, n_out, k, m_atoms) in found, (tp, gate_up, m_atoms)
+            for rows in (8 * m_atoms - 7, 8 * m_atoms):  # the picks the launch makes at those rows
+                experts = min(rows * K3.num_experts_per_token, K3.num_experts)
+                assert moe_experts.choose_tiling(gate_up, n_out, k, m_atoms, experts, 132) in found, (tp, rows)
             assert len(found) == len(set(found)) > 1, "nothing to compare the pick with"
             for t in found:
                 assert n_out % t.block_out(gate_up) == 0 and k % t.chunk_k == 0
