@@ -178,13 +178,13 @@ def step_lines(records: list[Record]) -> list[str]:
 
 
 def _records_written(source: str) -> list[str]:
-    """The record files a test module writes: the `.json` names its calls of record_parity,
+    """The record files a test module writes: the `.json` names its calls of record_parity, parity_record,
     long_run_tests or depth_tests pass (parsed, so a call quoted inside a string is not one)."""
     names = []
     for node in ast.walk(ast.parse(source)):
         func = getattr(node, "func", None)
         if isinstance(node, ast.Call) and getattr(func, "id", getattr(func, "attr", None)) in (
-                "record_parity", "long_run_tests", "depth_tests"):
+                "record_parity", "parity_record", "long_run_tests", "depth_tests"):
             names += [a.value for a in node.args
                       if isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.endswith(".json")]
     return list(dict.fromkeys(names))

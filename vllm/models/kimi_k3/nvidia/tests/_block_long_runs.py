@@ -30,7 +30,7 @@ from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (SOURCES, fill_
 from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import KernelOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import RoundingNoiseOps, TorchOps
-from vllm.models.kimi_k3.nvidia.tests._evidence import record_parity
+from vllm.models.kimi_k3.nvidia.tests._evidence import parity_record
 from vllm.models.kimi_k3.nvidia.tests._util import VERDICT, free_all, long_run_max_len, long_run_vs_graphed
 
 CONTEXT = 1000
@@ -80,10 +80,7 @@ def long_run_tests(runs: dict[tuple[int, int], int], record_file: str, test_file
     bucket, and the record `record_file` written from the whole run."""
     results: list[dict] = []
 
-    @pytest.fixture(scope="module", autouse=True)
-    def record():
-        yield
-        record_parity(record_file, "executor", test_file, LONG_RUN_SOURCES, results)
+    record = parity_record(record_file, "executor", test_file, LONG_RUN_SOURCES, results)
 
     @pytest.fixture(scope="module")
     def block():

@@ -35,7 +35,7 @@ from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import KernelOps,
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.latency_specialized.op_parity import ComparedOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import RoundingNoiseOps, TorchOps
-from vllm.models.kimi_k3.nvidia.tests._evidence import record_parity
+from vllm.models.kimi_k3.nvidia.tests._evidence import parity_record
 from vllm.models.kimi_k3.nvidia.tests._util import VERDICT, long_run_max_len, long_run_vs_graphed
 
 CONTEXT = 1000
@@ -96,10 +96,7 @@ def depth_tests(tp: int, record_file: str, test_file: str):
     of RUNS, the per-op parity of the 32-expert form, and the record `record_file`."""
     results: list[dict] = []
 
-    @pytest.fixture(scope="module", autouse=True)
-    def record():
-        yield
-        record_parity(record_file, "executor", test_file, DEPTH_SOURCES, results)
+    record = parity_record(record_file, "executor", test_file, DEPTH_SOURCES, results)
 
     @pytest.fixture(scope="module")
     def dense():

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any, Sequence
 
+import pytest
+
 from vllm.models.kimi_k3.nvidia.latency_specialized.evidence import write_record
 
 
@@ -53,3 +55,13 @@ def record_parity(filename: str, family: str, test_file: str, sources: Sequence[
     path = os.path.join(where, filename)
     write_record(path, "parity", family, f"pytest -m gpu {test_file}", [*sources, test_file], results)
     return path
+
+
+def parity_record(filename: str, family: str, test_file: str, sources: Sequence[str], results: list[dict]):
+    """The autouse module fixture that writes `results` as `filename` (record_parity) once every
+    test of the module has run: a test module binds it to a module name so pytest collects it."""
+    @pytest.fixture(scope="module", autouse=True)
+    def record():
+        yield
+        record_parity(filename, family, test_file, sources, results)
+    return record

@@ -72,3 +72,23 @@ def test_a_partial_run_writes_no_records(tmp_path):
     whole = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert whole.returncode == 0, whole.stdout + whole.stderr
     assert seen.read_text() == str(tmp_path / "ev") and "K3_EVIDENCE_DIR ignored" not in whole.stdout
+
+
+@pytest.mark.slow
+def test_parity_record_is_written_once_the_module_ran(tmp_path):
+    """The fixture `parity_record` gives a test module: bound to a module name it is collected,
+    and after the module's tests it writes what they appended, as one parity record."""
+    probe, named = tmp_path / "test_probe.py", "vllm/models/kimi_k3/nvidia/tests/test_evidence_record.py"
+    probe.write_text("from vllm.models.kimi_k3.nvidia.tests._evidence import parity_record\n"
+                     f"RESULTS = []\nrecord = parity_record('p.json', 'demo', {named!r}, {SOURCES!r}, RESULTS)\n\n"
+                     "def test_a():\n    RESULTS.append({'name': 'a', 'status': 'pass'})\n\n"
+                     "def test_b():\n    RESULTS.append({'name': 'b', 'status': 'pass'})\n")
+    env = {**os.environ, "K3_EVIDENCE_DIR": str(tmp_path / "ev")}
+    os.makedirs(tmp_path / "ev")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--rootdir", str(tmp_path),
+                          str(probe)], env=env, capture_output=True, text=True, timeout=120,
+                         cwd=os.path.dirname(__file__) + "/../../../../..")
+    assert run.returncode == 0, run.stdout + run.stderr
+    rec = json.loads((tmp_path / "ev" / "p.json").read_text())
+    assert (rec["kind"], rec["family"], rec["command"]) == ("parity", "demo", f"pytest -m gpu {named}")
+    assert [r["name"] for r in rec["results"]] == ["a", "b"] and rec["sources"] == [*SOURCES, named]

@@ -11,36 +11,26 @@ differences into O(0.3) logit changes, so whole-step logits are compared where r
   `moe_padding`): the MoE block's two tests as well.
 """
 
-import os
-from pathlib import Path
-
 import pytest
 import torch
 
 from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (PARITY_MEDIAN_REL, PARITY_OP_REL, PARITY_TOP1,
                                                                     SOURCES, copy_state, fill_state, k3_block, parity)
 from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import GLUE, KernelOps, ReferenceOps
-from vllm.models.kimi_k3.nvidia.latency_specialized.evidence import write_record
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.evals.tiny import config_named, shipped_weights
 from vllm.models.kimi_k3.nvidia.latency_specialized.op_parity import ComparedOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.weights import SafetensorsSource, load_rank
 from vllm.models.kimi_k3.nvidia.reference.model import ReferenceModel
+from vllm.models.kimi_k3.nvidia.tests._evidence import parity_record
 
 BUCKETS = [(1, 1), (4, 1), (8, 8)]
 MAX_LEN = 1000 + 48 * 8 + 8  # the longest parity run: 48 verify steps of 8 tokens after a 1000-token context
 RESULTS: list[dict] = []
 
 
-@pytest.fixture(scope="module", autouse=True)
-def record():
-    yield
-    out = os.environ.get("K3_EVIDENCE_DIR")
-    if out and RESULTS:
-        write_record(Path(out) / "executor_parity.json", "parity", "executor",
-                     "pytest -m gpu vllm/models/kimi_k3/nvidia/tests/test_executor_cuda.py",
-                     [*SOURCES, "vllm/models/kimi_k3/nvidia/latency_specialized/op_parity.py",
-                      "vllm/models/kimi_k3/nvidia/tests/test_executor_cuda.py"], RESULTS)
+record = parity_record("executor_parity.json", "executor", "vllm/models/kimi_k3/nvidia/tests/test_executor_cuda.py",
+                       [*SOURCES, "vllm/models/kimi_k3/nvidia/latency_specialized/op_parity.py"], RESULTS)
 
 
 @pytest.fixture(scope="module")

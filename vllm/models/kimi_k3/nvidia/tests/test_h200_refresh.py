@@ -153,7 +153,7 @@ def test_a_gpu_test_whose_record_was_never_committed_gets_a_step(tmp_path):
     model = tmp_path / "m"
     (model / "tests").mkdir(parents=True)
     (model / "evidence" / "h200").mkdir(parents=True)
-    (model / "tests" / "test_new.py").write_text('record_parity("new_parity.json", "executor", "f", [], R)\n'
+    (model / "tests" / "test_new.py").write_text('parity_record("new_parity.json", "executor", "f", [], R)\n'
                                                  'long_run_tests(RUNS, "long.json", "f")\n'
                                                  'depth_tests(8, "deep.json", "f")\n')
     (model / "tests" / "test_old.py").write_text('record_parity(\n    "old.json", "executor", "f", [], R)\n')

@@ -25,7 +25,7 @@ from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (FULL_LAYERS, c
                                                                     parity_status, parity_steps_at)
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import RoundingNoiseOps, TorchOps
-from vllm.models.kimi_k3.nvidia.tests._evidence import record_parity
+from vllm.models.kimi_k3.nvidia.tests._evidence import parity_record
 from vllm.models.kimi_k3.nvidia.tests._util import free_all
 
 CONTEXT = 1000
@@ -51,11 +51,8 @@ SOURCES = ["vllm/models/kimi_k3/nvidia/benchmarks/decode_latency.py",
 RESULTS: list[dict] = []
 
 
-@pytest.fixture(scope="module", autouse=True)
-def record():
-    yield
-    record_parity("parity_rule_power.json", "executor", "vllm/models/kimi_k3/nvidia/tests/test_parity_rule_power.py",
-                  SOURCES, RESULTS)
+record = parity_record("parity_rule_power.json", "executor",
+                       "vllm/models/kimi_k3/nvidia/tests/test_parity_rule_power.py", SOURCES, RESULTS)
 
 
 def rule_power(form: str, block_args: dict, buckets: list[tuple[int, int]]) -> list[dict]:

@@ -34,7 +34,7 @@ from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import DecodeOps,
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import RoundingNoiseOps, TorchOps
 from vllm.models.kimi_k3.nvidia.reference import moe as ref_moe
-from vllm.models.kimi_k3.nvidia.tests._evidence import record_parity
+from vllm.models.kimi_k3.nvidia.tests._evidence import parity_record
 from vllm.models.kimi_k3.nvidia.tests._util import free_all, mini_model, rel_err
 
 CONTEXT = 1000
@@ -42,11 +42,8 @@ BUCKETS = {(1, 1): 64, (8, 1): 8, (8, 8): 8, (64, 1): 4}  # (rows, q) -> steps (
 RESULTS: list[dict] = []
 
 
-@pytest.fixture(scope="module", autouse=True)
-def record():
-    yield
-    record_parity("pinned_routing_parity.json", "executor",
-                  "vllm/models/kimi_k3/nvidia/tests/test_pinned_routing_parity.py", SOURCES, RESULTS)
+record = parity_record("pinned_routing_parity.json", "executor",
+                       "vllm/models/kimi_k3/nvidia/tests/test_pinned_routing_parity.py", SOURCES, RESULTS)
 
 
 def pinned(base: type[DecodeOps]) -> DecodeOps:

@@ -22,7 +22,7 @@ from vllm.models.kimi_k3.nvidia.latency_specialized.weights import SafetensorsSo
 from vllm.models.kimi_k3.nvidia.reference.model import ReferenceModel
 from vllm.models.kimi_k3.nvidia.reference.state import DecodeState
 
-from ._evidence import record_parity
+from ._evidence import parity_record
 from ._util import mini_model, paged_pools, prefill, rel_err
 
 BLOCK, MAX_LEN, REQUESTS, VLLM_BLOCKS = 16, 64, 2, 24
@@ -33,11 +33,8 @@ SOURCES = [f"vllm/models/kimi_k3/nvidia/{f}" for f in (
     "kernels/kda_decode.py", "kernels/mla_decode.py", "kernels/mla_cache_write.py")]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def record():
-    yield
-    record_parity("vllm_binding_parity.json", "vllm-binding", "vllm/models/kimi_k3/nvidia/tests/test_vllm_binding.py",
-                  SOURCES, RESULTS)
+record = parity_record("vllm_binding_parity.json", "vllm-binding",
+                       "vllm/models/kimi_k3/nvidia/tests/test_vllm_binding.py", SOURCES, RESULTS)
 
 
 def _vllm_caches(model, q: int, block: int = BLOCK):
