@@ -69,7 +69,6 @@ from .skinny_gemm import mma_registers, mma_step
 
 MAX_ROWS = 64
 MAX_TOP_K = 32
-EXPERT_CTAS_PER_SM = 2  # at M > 16 (the launch's register cap)
 
 
 class MoEExpertsEnvelopeError(ValueError):
@@ -394,6 +393,20 @@ def _expert_gemv_kernel(
                 out[dst_pick[slot], tile * block_out + col] = total.to(BFloat16)
 
 
+def register_cap(gate_up: bool, m_atoms: int, warps: int) -> int:
+    """CTAs an SM that a pass's launch caps its registers for (0: no cap).
+
+    Beyond 16 rows the kernel's loop copies for 4 and 8 row atoms take 174-238 registers, so an
+    8-warp CTA holds an SM alone. Capped at two CTAs an SM they spill (the copies for up to 16
+    rows, which serve nearly every expert at uniform routing, do not). H200, bench_moe's timing,
+    2026-12-04: that pays in the down pass, whose short K (TP8: 6 chunks of 64) passes over the
+    spilled state a few times a tile: TP8 M = 32 1025 -> 844 µs, M = 64 1660 -> 1369. Gate/up,
+    56 chunks of K = 3584 over it, gained nothing at M = 32 (TP16 409 against 416 µs) and lost at
+    64 (815 against 789; TP8 1713 against 1660). TP16's 6-warp down pass holds three CTAs an SM
+    uncapped, and the cap slowed it (M = 32: 454 against 416)."""
+    return 2 if not gate_up and m_atoms > 2 and warps == 8 else 0
+
+
 @cute.jit
 def _expert_gemv_host(
     w_ptr: cute.Pointer, x_ptr: cute.Pointer, ids_ptr: cute.Pointer, out_ptr: cute.Pointer,
@@ -411,13 +424,10 @@ def _expert_gemv_host(
         grid=(m * top_k, n_out // block_out, 1),
         block=(32 * warps_n * warps_k, 1, 1),
         stream=stream,
-        # beyond 16 rows the 4- and 8-atom copies of the chunk loop would take 174-238 registers,
-        # one 8-warp CTA an SM for every expert; two CTAs an SM keep the copies that serve experts
-        # of up to 16 rows (nearly all at uniform routing) spill-free in 128 registers, and
-        # experts with more rows spill. With a cap the carveout is named (the driver's default,
-        # -1), or the compile would query a device for it
-        min_blocks_per_mp=EXPERT_CTAS_PER_SM if m_atoms > 2 else 0,
-        preferred_smem_carveout=-1 if m_atoms > 2 else None,
+        # with a cap the carveout is named (the driver's default, -1), or the compile would query
+        # a device for it
+        min_blocks_per_mp=register_cap(gate_up, m_atoms, warps_n * warps_k),
+        preferred_smem_carveout=-1 if register_cap(gate_up, m_atoms, warps_n * warps_k) else None,
         use_pdl=not gate_up,
     )
 

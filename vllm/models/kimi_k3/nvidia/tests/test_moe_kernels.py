@@ -306,10 +306,10 @@ def test_expert_gemv_compiles_for_arch(arch, which, inter, i_pad, m_atoms, exper
 
 @pytest.mark.parametrize("tp", [16, 8])
 def test_expert_gemv_residency(tp, tmp_path):
-    """Beyond 16 rows the launch caps registers for EXPERT_CTAS_PER_SM CTAs an SM (the loop copies
-    for many rows then spill, the ones for up to 16 rows an expert do not); up to 16 rows the
-    kernel keeps what ptxas gives it, which spills nothing."""
+    """A pass with a register cap (`register_cap`: the 8-warp down pass beyond 16 rows) reaches the
+    residency it is capped for; every other pass keeps what ptxas gives it, which spills nothing."""
     inter = K3.moe_intermediate_size // tp
+    capped = []
     for gate_up in (True, False):
         n_out, k = (inter, H_LAT) if gate_up else (H_LAT, inter)
         for m_atoms in range(1, 9):
@@ -317,11 +317,14 @@ def test_expert_gemv_residency(tp, tmp_path):
             used = kernel_resources(moe_experts.compile_expert_gemv(
                 gate_up, K3.num_experts, TOP_K, n_out, k, m_atoms, None, None, t, "sm_90a",
                 ptx_dir=str(tmp_path)).artifacts.CUBIN)
-            if m_atoms > 2:
-                assert used.ctas_per_sm(32 * t.warps_n * t.warps_k) >= moe_experts.EXPERT_CTAS_PER_SM, (
-                    tp, gate_up, m_atoms, used)
+            cap = moe_experts.register_cap(gate_up, m_atoms, t.warps_n * t.warps_k)
+            if cap:
+                capped.append(m_atoms)
+                assert used.ctas_per_sm(32 * t.warps_n * t.warps_k) >= cap, (tp, gate_up, m_atoms, used)
             else:
                 assert used.frame_bytes == 0, (tp, gate_up, m_atoms, used)
+    # TP8's down pass has 8 warps (4 along its K of 384), TP16's 6 (its K of 192 has 3 chunks)
+    assert capped == ([] if tp == 16 else [3, 4, 5, 6, 7, 8]), capped
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
