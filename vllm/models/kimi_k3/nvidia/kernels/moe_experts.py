@@ -398,8 +398,8 @@ def register_cap(gate_up: bool, m_atoms: int, warps: int) -> int:
 
     Beyond 16 rows the kernel's loop copies for 4 and 8 row atoms take 174-238 registers, so an
     8-warp CTA holds an SM alone. Capped at two CTAs an SM they spill (the copies for up to 16
-    rows, which serve nearly every expert at uniform routing, do not). H200, bench_moe's timing,
-    2026-12-04: that pays in the down pass, whose short K (TP8: 6 chunks of 64) passes over the
+    rows, which serve nearly every expert at uniform routing, do not). H200, 2026-12-04, the cap
+    toggled per pass and timed as bench_moe times the experts: it pays in the down pass, whose short K (TP8: 6 chunks of 64) passes over the
     spilled state a few times a tile: TP8 M = 32 1025 -> 844 µs, M = 64 1660 -> 1369. Gate/up,
     56 chunks of K = 3584 over it, gained nothing at M = 32 (TP16 409 against 416 µs) and lost at
     64 (815 against 789; TP8 1713 against 1660). TP16's 6-warp down pass holds three CTAs an SM
@@ -417,6 +417,7 @@ def _expert_gemv_host(
     warps_n: Constexpr, warps_k: Constexpr,
 ):
     block_out = ExpertTiling(row_tiles, chunk_atoms, x_atoms, warps_n, warps_k).block_out(gate_up)
+    cap = register_cap(gate_up, m_atoms, warps_n * warps_k)
     _expert_gemv_kernel(
         w_ptr, x_ptr, ids_ptr, out_ptr, m, n_experts, top_k, n_out, k, w_rows, ld, gate_up, beta, linear_beta,
         m_atoms, row_tiles, chunk_atoms, x_atoms, warps_n, warps_k,
@@ -426,8 +427,8 @@ def _expert_gemv_host(
         stream=stream,
         # with a cap the carveout is named (the driver's default, -1), or the compile would query
         # a device for it
-        min_blocks_per_mp=register_cap(gate_up, m_atoms, warps_n * warps_k),
-        preferred_smem_carveout=-1 if register_cap(gate_up, m_atoms, warps_n * warps_k) else None,
+        min_blocks_per_mp=cap,
+        preferred_smem_carveout=-1 if cap else None,
         use_pdl=not gate_up,
     )
 
