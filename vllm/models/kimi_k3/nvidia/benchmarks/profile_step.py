@@ -31,7 +31,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from ..latency_specialized.decode_ops import KernelOps
 from ..latency_specialized.executor import SpecializedDecode
-from .decode_latency import _segments, fill_state, k3_block, median_ms
+from .block_parity import fill_state, k3_block, segments
+from .decode_latency import median_ms
 
 
 def short_name(kernel: str) -> str:
@@ -119,7 +120,7 @@ def profile_bucket(ex: SpecializedDecode, model, key: tuple[int, int], args, gen
         ex.state.free(r)
     slots = fill_state(ex.state, rows // q, args.context, gen)
     ids = torch.randint(0, model.w.lm_head.shape[0], (rows,), generator=gen, device="cuda")
-    ex(ids, _segments(ex.state, slots, q), ex.state)  # fills the bucket's metadata
+    ex(ids, segments(ex.state, slots, q), ex.state)  # fills the bucket's metadata
     span_us = median_ms(lambda: ex.replay(key), 50) * 1e3
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(args.steps):

@@ -117,7 +117,7 @@ class ComparedOps(DecodeOps):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from ..benchmarks.decode_latency import fill_state, k3_block
+    from ..benchmarks.block_parity import fill_state, k3_block
     from .decode_ops import KernelOps, ReferenceOps
     from .executor import SpecializedDecode
 

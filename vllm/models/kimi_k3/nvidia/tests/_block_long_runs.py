@@ -9,7 +9,7 @@ yardstick in lockstep against the graphed standard table (the eager one takes ~2
 64 rows), judged by `_util.long_run_vs_graphed`: the same rule over the run and over its last
 quarter, and no growth beyond 3× from the first quarter (its own, or the yardstick's where that
 is higher) to the last. Routing flips make the per-step error O(0.5) at any point
-(benchmarks/decode_latency.py, PARITY_*), so the yardstick, not an absolute bound, says what is
+(benchmarks/block_parity.py, PARITY_*), so the yardstick, not an absolute bound, says what is
 too far.
 
 Several test files run it (`long_run_tests`), each writing its own "parity" record, because a
@@ -25,8 +25,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (SOURCES, fill_state, k3_block, parity_lockstep,
-                                                                    parity_status, parity_steps_at)
+from vllm.models.kimi_k3.nvidia.benchmarks.block_parity import (PARITY_SOURCES, fill_state, k3_block, parity_lockstep,
+                                                                  parity_status, parity_steps_at)
 from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import KernelOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import RoundingNoiseOps, TorchOps
@@ -36,7 +36,7 @@ from vllm.models.kimi_k3.nvidia.tests._util import VERDICT, free_all, long_run_m
 CONTEXT = 1000
 ANCHOR_STEPS = 8
 # what a long-run record measured: the executor and its kernels, the verdict, and this file
-LONG_RUN_SOURCES = [*SOURCES, VERDICT, "vllm/models/kimi_k3/nvidia/tests/_block_long_runs.py"]
+LONG_RUN_SOURCES = [*PARITY_SOURCES, VERDICT, "vllm/models/kimi_k3/nvidia/tests/_block_long_runs.py"]
 
 
 class BlockLongRuns:

@@ -1,14 +1,14 @@
 """The executor at K3's full depth: all 93 layers of a TP rank-0 shard, long runs (#8, form b).
 
 - Dense form (K3's dense SiTU MLP in every layer: with random weights, top-16 routing turns
-  bf16-sized differences into O(0.3) logit changes; PARITY_* in benchmarks/decode_latency.py).
+  bf16-sized differences into O(0.3) logit changes; PARITY_* in benchmarks/block_parity.py).
   At this depth random-weight logits are chaotic even so: a first H200 run measured the
   specialized path 0.28 from eager over the first four steps (the first quarter's median), the
   graphed standard table (which differs from eager in almost no rounding) 0.03, growing to
   0.13-0.32 within 16 steps. So the yardstick
   is the standard table with every GEMM output moved by up to one bf16 rounding
   (`torch_ops.RoundingNoiseOps`): the spread any correct bf16 implementation may show. Checks:
-  - anchor, 16 steps from one state (64 at one row: decode_latency.parity_steps_at), each
+  - anchor, 16 steps from one state (64 at one row: block_parity.parity_steps_at), each
     against eager: the specialized path within decode_latency's rule (1.5x the yardstick's
     median error + 0.02, top-1 likewise);
   - long run, 2048 steps at rows 1 and 256 verify steps at rows 8 (q 8), logits every step,
@@ -28,9 +28,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (FULL_LAYERS, PARITY_OP_REL,
-                                                                    SOURCES, copy_state, fill_state, k3_block,
-                                                                    parity_lockstep, parity_status, parity_steps_at)
+from vllm.models.kimi_k3.nvidia.benchmarks.block_parity import (FULL_LAYERS, PARITY_OP_REL,
+                                                                  PARITY_SOURCES, copy_state, fill_state, k3_block,
+                                                                  parity_lockstep, parity_status, parity_steps_at)
 from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import KernelOps, ReferenceOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.latency_specialized.op_parity import ComparedOps
@@ -43,7 +43,7 @@ RUNS = {(1, 1): 2048, (8, 8): 256}  # bucket -> steps of the long run
 ANCHOR_STEPS = 16
 MAX_LEN = long_run_max_len(CONTEXT, RUNS, ANCHOR_STEPS)
 # what a depth record measured: the executor and its kernels, the per-op comparison, the verdict, this file
-DEPTH_SOURCES = [*SOURCES, "vllm/models/kimi_k3/nvidia/latency_specialized/op_parity.py", VERDICT,
+DEPTH_SOURCES = [*PARITY_SOURCES, "vllm/models/kimi_k3/nvidia/latency_specialized/op_parity.py", VERDICT,
                  "vllm/models/kimi_k3/nvidia/tests/_depth_runs.py"]
 
 

@@ -151,7 +151,7 @@ def paged_pools(state: DecodeState, gap_bytes: int = 256):
 
 
 class _ExecutorAsModel:
-    """An executor in the shape `decode_latency.parity` calls the eager model in (forward, logits)."""
+    """An executor in the shape `block_parity.parity_lockstep` calls the eager model in (forward, logits)."""
 
     def __init__(self, ex: SpecializedDecode):
         self.ex, self.w = ex, ex.w
@@ -184,7 +184,7 @@ def free_all(state) -> None:
 def long_run_max_len(context: int, runs: dict[tuple[int, int], int], anchor_steps: int) -> int:
     """Cache length for a long-run test: `context`, then per (rows, q) bucket its anchor (at
     least PARITY_MIN_TOKENS tokens, `parity_steps_at`) and its run of `runs[bucket]` steps."""
-    from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import parity_steps_at  # lazily, as below
+    from vllm.models.kimi_k3.nvidia.benchmarks.block_parity import parity_steps_at  # lazily, as below
 
     return (context + max(steps * q for (_, q), steps in runs.items())
             + max(parity_steps_at(rows, anchor_steps) * q for rows, q in runs) + 8)
@@ -200,10 +200,10 @@ def long_run_vs_graphed(spec: SpecializedDecode, noisy: SpecializedDecode, graph
     first (its own, or the yardstick's where that is higher). A random-weight model is chaotic, so the yardstick's own error grows too; a KDA state
     scaled by 1.03 a step leaves it behind while the growth ratio alone does not see it
     (tests/test_long_run_verdict.py)."""
-    # imported here: decode_latency pulls in the CuTe DSL kernels, which vLLM's environment
+    # imported here: block_parity pulls in the CuTe DSL kernels, which vLLM's environment
     # (.ci/vllm_cpu_job.sh imports this module there) does not have
-    from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (PARITY_MEDIAN_REL, PARITY_VS_BASELINE,
-                                                                        parity_lockstep, parity_status)
+    from vllm.models.kimi_k3.nvidia.benchmarks.block_parity import (PARITY_MEDIAN_REL, PARITY_VS_BASELINE,
+                                                                      parity_lockstep, parity_status)
 
     runs, _ = parity_lockstep(_ExecutorAsModel(graphed), {"specialized": spec, "standard_rounding_noise": noisy},
                               graphed.state, slots, q, steps, gen, required="specialized")

@@ -1,4 +1,4 @@
-"""decode_latency's block-parity verdict: the rounding-noise yardstick, with top-1 agreement judged
+"""The block-parity verdict of the decode records (benchmarks/block_parity.py): the rounding-noise yardstick, with top-1 agreement judged
 as a rate over the tokens it was counted on, each point's parity run over at least
 PARITY_MIN_TOKENS tokens."""
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from vllm.models.kimi_k3.nvidia.benchmarks import decode_latency
-from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (PARITY_MIN_TOKENS, fill_state, parity_lockstep,
-                                                                  parity_status)
+from vllm.models.kimi_k3.nvidia.benchmarks.block_parity import (PARITY_MIN_TOKENS, fill_state, parity_lockstep,
+                                                                parity_status, parity_steps_at)
 from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import ReferenceOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import RoundingNoiseOps
@@ -103,7 +103,7 @@ def test_a_point_runs_parity_over_at_least_the_minimum_tokens(monkeypatch, rows,
                                  16, rows, q, 40, reps=1, parity_steps=8, copy_bw=4.0, gen=torch.Generator())
     assert seen == {"steps": steps, "q": q, "requests": requests}
     assert steps * rows >= PARITY_MIN_TOKENS
-    assert decode_latency.parity_steps_at(64, 8) == 8 and decode_latency.parity_steps_at(1, 100) == 100
+    assert parity_steps_at(64, 8) == 8 and parity_steps_at(1, 100) == 100
 
 
 def test_the_eager_step_is_timed_on_the_parity_steps_when_there_are_enough():

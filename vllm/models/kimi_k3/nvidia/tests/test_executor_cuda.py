@@ -1,7 +1,7 @@
 """The specialized executor on a GPU: CUDA graphs of CuTe DSL kernels against the standard path.
 
 TP16 rank-0 shards of K3's first 12 layers (K3's KDA/MLA pattern), random weights, in two forms
-(why two: PARITY_* in benchmarks/decode_latency.py; random top-16-of-896 routing turns bf16-sized
+(why two: PARITY_* in benchmarks/block_parity.py; random top-16-of-896 routing turns bf16-sized
 differences into O(0.3) logit changes, so whole-step logits are compared where routing is absent):
 - the MoE block (experts cut to 64 so it builds in seconds; the benchmark runs all 896): every op
   of a step, kernel against reference on identical inputs (`op_parity.ComparedOps`);
@@ -14,8 +14,8 @@ differences into O(0.3) logit changes, so whole-step logits are compared where r
 import pytest
 import torch
 
-from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (PARITY_MEDIAN_REL, PARITY_OP_REL, PARITY_TOP1,
-                                                                    SOURCES, copy_state, fill_state, k3_block, parity)
+from vllm.models.kimi_k3.nvidia.benchmarks.block_parity import (PARITY_MEDIAN_REL, PARITY_OP_REL, PARITY_TOP1,
+                                                                  PARITY_SOURCES, copy_state, fill_state, k3_block, parity)
 from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import GLUE, KernelOps, ReferenceOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.evals.tiny import config_named, shipped_weights
@@ -30,7 +30,7 @@ RESULTS: list[dict] = []
 
 
 record = parity_record("executor_parity.json", "executor", "vllm/models/kimi_k3/nvidia/tests/test_executor_cuda.py",
-                       [*SOURCES, "vllm/models/kimi_k3/nvidia/latency_specialized/op_parity.py"], RESULTS)
+                       [*PARITY_SOURCES, "vllm/models/kimi_k3/nvidia/latency_specialized/op_parity.py"], RESULTS)
 
 
 @pytest.fixture(scope="module")

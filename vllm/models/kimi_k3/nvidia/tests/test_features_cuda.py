@@ -28,8 +28,8 @@ import re
 import pytest
 import torch
 
-from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (PARITY_OP_REL, copy_state, parity_lockstep,
-                                                                    parity_status)
+from vllm.models.kimi_k3.nvidia.benchmarks.block_parity import (PARITY_OP_REL, copy_state, parity_lockstep,
+                                                                  parity_status)
 from vllm.models.kimi_k3.nvidia.evals.tiny import config_named, shipped_weights
 from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import KernelOps, ReferenceOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.deployment import Deployment, StepFacts

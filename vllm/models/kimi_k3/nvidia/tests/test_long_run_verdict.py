@@ -11,8 +11,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from vllm.models.kimi_k3.nvidia.benchmarks import decode_latency
-from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import fill_state
+from vllm.models.kimi_k3.nvidia.benchmarks import block_parity
+from vllm.models.kimi_k3.nvidia.benchmarks.block_parity import fill_state
 from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import ReferenceOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import RoundingNoiseOps, TorchOps
@@ -66,7 +66,7 @@ def test_growth_counts_from_where_the_rounding_noise_starts(monkeypatch, noise_f
     the exact reference ops, 8 verify steps: 0.0 -> 0.29, the yardstick 0.14 -> 0.34)."""
     runs = {"specialized": _summary(0.0, 0.29, 0.004, 0.92),
             "standard_rounding_noise": _summary(noise_first, 0.34, 0.21, 0.80)}
-    monkeypatch.setattr(decode_latency, "parity_lockstep", lambda *a, **k: (runs, {}))
+    monkeypatch.setattr(block_parity, "parity_lockstep", lambda *a, **k: (runs, {}))
     path = SimpleNamespace(w=None, state=None)  # parity_lockstep, stubbed, never calls the paths
     _, failed = long_run_vs_graphed(path, path, path, [0], 8, 8, torch.Generator())
     assert any("grew" in f for f in failed) == grew, failed

@@ -2,7 +2,7 @@
 
 The decode records, the long runs and the depth test pass the specialized path when its median
 logit error stays within PARITY_VS_BASELINE × the rounding-noise yardstick's, plus 0.02, and its
-top-1 agreement near the yardstick's (`decode_latency.parity_status`). Random-weight logits are
+top-1 agreement near the yardstick's (`block_parity.parity_status`). Random-weight logits are
 chaotic, and where the yardstick is itself far from the reference that rule passes anything: on
 the H200 (2026-12-04) the 93-layer block with 32 experts put the yardstick, the graphed torch
 table and the kernels all at 1.22-1.25 from eager. So this scores, per form and bucket, a path
@@ -21,8 +21,8 @@ import statistics
 import pytest
 import torch
 
-from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (FULL_LAYERS, copy_state, fill_state, k3_block,
-                                                                    parity_status, parity_steps_at)
+from vllm.models.kimi_k3.nvidia.benchmarks.block_parity import (FULL_LAYERS, copy_state, fill_state, k3_block,
+                                                                  parity_status, parity_steps_at)
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import RoundingNoiseOps, TorchOps
 from vllm.models.kimi_k3.nvidia.tests._evidence import parity_record
@@ -43,7 +43,7 @@ FORMS = {
 NO_POWER_YET = pytest.mark.xfail(strict=True, reason="the logit rule cannot fail a context-blind path on the "
                                  "896-expert block (REVIEW.md); per-op parity carries the proof there")
 UNUSABLE = ("93-layer, 32 experts, TP16", dict(tp=16, layers=FULL_LAYERS, experts=32), [(1, 1)])
-SOURCES = ["vllm/models/kimi_k3/nvidia/benchmarks/decode_latency.py",
+SOURCES = ["vllm/models/kimi_k3/nvidia/benchmarks/block_parity.py",
            "vllm/models/kimi_k3/nvidia/latency_specialized/executor.py",
            "vllm/models/kimi_k3/nvidia/latency_specialized/torch_ops.py",
            *(f"vllm/models/kimi_k3/nvidia/reference/{m}.py" for m in (

@@ -28,8 +28,8 @@ from collections import deque
 import pytest
 import torch
 
-from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import (PARITY_VS_BASELINE, SOURCES, _segments,
-                                                                    copy_state, fill_state, k3_block, parity_status)
+from vllm.models.kimi_k3.nvidia.benchmarks.block_parity import (PARITY_VS_BASELINE, PARITY_SOURCES, segments,
+                                                                  copy_state, fill_state, k3_block, parity_status)
 from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import DecodeOps, KernelOps, ReferenceOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import RoundingNoiseOps, TorchOps
@@ -43,7 +43,7 @@ RESULTS: list[dict] = []
 
 
 record = parity_record("pinned_routing_parity.json", "executor",
-                       "vllm/models/kimi_k3/nvidia/tests/test_pinned_routing_parity.py", SOURCES, RESULTS)
+                       "vllm/models/kimi_k3/nvidia/tests/test_pinned_routing_parity.py", PARITY_SOURCES, RESULTS)
 
 
 def pinned(base: type[DecodeOps]) -> DecodeOps:
@@ -125,10 +125,10 @@ def pinned_parity(model, ops: dict[str, DecodeOps], buckets: dict[tuple[int, int
         errs: dict[str, list[float]] = {name: [] for name in paths}
         top1: dict[str, list[float]] = {name: [] for name in paths}
         for _ in range(steps):
-            want, pins = routing.step(model, ids, _segments(eager, slots, q), eager)
+            want, pins = routing.step(model, ids, segments(eager, slots, q), eager)
             for name, ex in paths.items():
                 ex.ops.pins = deque(pins)
-                got = ex(ids, _segments(ex.state, slots, q), ex.state)
+                got = ex(ids, segments(ex.state, slots, q), ex.state)
                 assert not ex.ops.pins, f"{name}: {len(ex.ops.pins)} pins left: the paths' MoE layers differ"
                 ex.ops.pins = None
                 errs[name].append(rel_err(got, want))

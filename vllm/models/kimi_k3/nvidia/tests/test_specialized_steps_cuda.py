@@ -12,7 +12,7 @@ fused into kda_decode, so the standalone gated-norm kernel has no step of its ow
 import pytest
 import torch
 
-from vllm.models.kimi_k3.nvidia.benchmarks.decode_latency import k3_block
+from vllm.models.kimi_k3.nvidia.benchmarks.block_parity import k3_block
 from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import GLUE
 from vllm.models.kimi_k3.nvidia.latency_specialized.deployment import Deployment
 from vllm.models.kimi_k3.nvidia.latency_specialized.dispatch import SPECIALIZED, STANDARD, Dispatcher
