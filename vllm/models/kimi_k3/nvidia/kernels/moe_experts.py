@@ -399,11 +399,12 @@ def register_cap(gate_up: bool, m_atoms: int, warps: int) -> int:
     Beyond 16 rows the kernel's loop copies for 4 and 8 row atoms take 174-238 registers, so an
     8-warp CTA holds an SM alone. Capped at two CTAs an SM they spill (the copies for up to 16
     rows, which serve nearly every expert at uniform routing, do not). H200, 2026-12-04, the cap
-    toggled per pass and timed as bench_moe times the experts: it pays in the down pass, whose short K (TP8: 6 chunks of 64) passes over the
-    spilled state a few times a tile: TP8 M = 32 1025 -> 844 µs, M = 64 1660 -> 1369. Gate/up,
-    56 chunks of K = 3584 over it, gained nothing at M = 32 (TP16 409 against 416 µs) and lost at
-    64 (815 against 789; TP8 1713 against 1660). TP16's 6-warp down pass holds three CTAs an SM
-    uncapped, and the cap slowed it (M = 32: 454 against 416)."""
+    toggled per pass and timed as bench_moe times the experts: it pays in the down pass, whose
+    short K (TP8: 6 chunks of 64) passes over the spilled state a few times a tile: TP8 M = 32
+    1025 -> 844 µs, M = 64 1660 -> 1369. Gate/up, 56 chunks of K = 3584 over it, gained 1-2% at
+    M = 32 (TP16 409 against 416 µs, TP8 1020 against 1025) and lost 3% at 64 (TP16 815 against
+    789, TP8 1713 against 1660). TP16's 6-warp down pass holds three CTAs an SM uncapped, and the
+    cap slowed it (M = 32: 454 against 416)."""
     return 2 if not gate_up and m_atoms > 2 and warps == 8 else 0
 
 
