@@ -5,7 +5,6 @@ dispatcher picks."""
 import json
 
 import pytest
-import torch
 
 from vllm.models.kimi_k3.nvidia.latency_specialized.deployment import Deployment
 from vllm.models.kimi_k3.nvidia.latency_specialized.dispatch import NOT_BUILT_REASON, Dispatcher

@@ -10,7 +10,6 @@ import ast
 import importlib.util
 import json
 import logging
-import os
 import random
 import subprocess
 import sys
