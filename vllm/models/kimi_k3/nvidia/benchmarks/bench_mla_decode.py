@@ -8,10 +8,9 @@ that point at disjoint parts of the cache pool, more than 3× the L2 per replay.
 latent cache bytes read (context · 1152 B per request) over the device-to-device copy bandwidth
 measured in the same run. Baselines on the same paged problem in the same run: the reference
 core in eager torch, request by request as the reference runs it (gather the request's cache rows,
-FP32 scores, softmax and weighted sum, as `reference/mla.py::attend_absorbed` past its query
-absorption) and `torch.nn.functional.scaled_dot_product_attention` on bf16 (the absorbed problem:
+then `reference/mla.py::attend_latent`: FP32 scores, causal softmax and weighted sum) and `torch.nn.functional.scaled_dot_product_attention` on bf16 (the absorbed problem:
 576-wide keys, the 512-wide latent as values, the causal mask of the verify rows); with
-`--baselines ... compile`, the same core over every request at once, gather included, under
+`--baselines ... compile`, the same core vmapped over every request at once, gather included, under
 torch.compile (one graph a case: a loop over requests would be unrolled and compiled once per
 block table). Each kernel result is checked against the eager core.
 
@@ -32,6 +31,7 @@ import torch
 
 from ..kernels import mla_decode
 from ..latency_specialized.evidence import write_record
+from ..reference.mla import attend_latent
 from .bench_skinny_gemm import copy_bandwidth_TBps, time_graph
 
 SOURCES = (
@@ -48,22 +48,13 @@ REL_ERR_BOUND = 5e-3  # as tests/test_mla_decode_kernel.py
 TAU = 1.0 / math.sqrt(192.0)
 
 
-def absorbed_core(q_lat: torch.Tensor, kv: torch.Tensor, masked: torch.Tensor) -> torch.Tensor:
-    """o [R, n, h, 512] bf16 of queries q_lat [R, n, h, 576] over latent rows kv [R, L, 576]:
-    softmax(τ·q·kvᵀ) over L in FP32 (positions where masked [n, L] is True excluded) times the
-    rows' first 512 columns."""
-    kv = kv.float()
-    scores = TAU * torch.einsum("rnhc,rlc->rhnl", q_lat.float(), kv)
-    p = torch.softmax(scores.masked_fill(masked, float("-inf")), dim=-1)
-    return torch.einsum("rhnl,rlc->rnhc", p, kv[..., :LATENT]).to(torch.bfloat16)
-
-
-def gathered_core(q_lat: torch.Tensor, flat: torch.Tensor, slot_rows: torch.Tensor, masked: torch.Tensor,
-                  out: torch.Tensor) -> None:
-    """`absorbed_core` of every request at once into out [R·n, h, 512]: q_lat [R·n, h, 576], the
-    cache rows flat[slot_rows] ([R, L] row indices), the gather inside (what torch.compile sees)."""
+def gathered_core(q_lat: torch.Tensor, flat: torch.Tensor, slot_rows: torch.Tensor, out: torch.Tensor) -> None:
+    """The reference's latent core (`reference/mla.py::attend_latent`) over every request at once
+    into out [R·n, h, 512]: q_lat [R·n, h, 576], each request's cache rows flat[slot_rows] ([R, L]
+    row indices), the gather inside (what torch.compile sees)."""
     requests = slot_rows.shape[0]
-    out.copy_(absorbed_core(q_lat.view(requests, -1, *q_lat.shape[1:]), flat[slot_rows], masked).flatten(0, 1))
+    batched = torch.vmap(attend_latent, in_dims=(0, 0, None, None))
+    out.copy_(batched(q_lat.view(requests, -1, *q_lat.shape[1:]), flat[slot_rows], LATENT, TAU).flatten(0, 1))
 
 
 class Case:
@@ -104,12 +95,12 @@ class Case:
         def run():
             for r in range(self.requests):
                 rows = slice(r * self.q, (r + 1) * self.q)
-                out[rows] = absorbed_core(self.q_lat[rows][None], self.flat[self.slots[s][r]][None], self.causal)[0]
+                out[rows] = attend_latent(self.q_lat[rows], self.flat[self.slots[s][r]], LATENT, TAU)
         return run
 
     def compiled(self, out: torch.Tensor, s: int, core: Callable[..., None]) -> Callable[[], object]:
         """`core` (torch.compile of `gathered_core`) over every request of block-table set s."""
-        return lambda: core(self.q_lat, self.flat, self.slot_rows[s], self.causal, out)
+        return lambda: core(self.q_lat, self.flat, self.slot_rows[s], out)
 
     def sdpa(self, out: torch.Tensor, s: int) -> Callable[[], object]:
         """scaled_dot_product_attention on the same absorbed problem (bf16, one KV head shared)."""

@@ -4,7 +4,8 @@ import math
 
 import torch
 
-from vllm.models.kimi_k3.nvidia.benchmarks.bench_mla_decode import LATENT, ROW, TAU, absorbed_core, gathered_core
+from vllm.models.kimi_k3.nvidia.benchmarks.bench_mla_decode import LATENT, ROW, TAU, gathered_core
+from vllm.models.kimi_k3.nvidia.reference.mla import attend_latent
 
 
 def causal_mask(q: int, length: int) -> torch.Tensor:
@@ -29,33 +30,39 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
-def test_absorbed_core_is_the_masked_softmax_attention():
-    gen = torch.Generator().manual_seed(0)
+def paged_problem(seed: int, requests: int, q: int, heads: int, length: int, scale: float = 1.0):
+    """Queries and a pool of cache rows, each request's rows scattered over the pool."""
+    gen = torch.Generator().manual_seed(seed)
+    flat = torch.randn(4 * requests * length, ROW, generator=gen).to(torch.bfloat16)
+    slot_rows = torch.randperm(flat.shape[0], generator=gen)[:requests * length].view(requests, length)
+    q_lat = (scale * torch.randn(requests * q, heads, ROW, generator=gen)).to(torch.bfloat16)
+    return q_lat, flat, slot_rows
+
+
+def test_the_batched_core_is_the_reference_request_by_request():
+    """All requests at once (the compiled baseline's form) equal `attend_latent` request by request
+    (the eager baseline's), and both the masked softmax attention in float64."""
     requests, q, heads, length = 3, 4, 2, 37
-    q_lat = (3 * torch.randn(requests, q, heads, ROW, generator=gen)).to(torch.bfloat16)  # peaked scores
-    kv = torch.randn(requests, length, ROW, generator=gen).to(torch.bfloat16)
-    masked = causal_mask(q, length)
-    got = absorbed_core(q_lat, kv, masked)
-    assert got.shape == (requests, q, heads, LATENT) and got.dtype == torch.bfloat16
-    assert rel(got, attention_fp64(q_lat, kv, masked)) < 5e-3  # bf16 output rounding
-    # request by request (the eager baseline) as all at once (the compiled one)
-    one_by_one = torch.cat([absorbed_core(q_lat[r:r + 1], kv[r:r + 1], masked) for r in range(requests)])
+    q_lat, flat, slot_rows = paged_problem(0, requests, q, heads, length, scale=3.0)  # peaked scores
+    got = torch.full((requests * q, heads, LATENT), math.nan, dtype=torch.bfloat16)
+    gathered_core(q_lat, flat, slot_rows, got)
+    assert got.dtype == torch.bfloat16
+    want = attention_fp64(q_lat.view(requests, q, heads, ROW), flat[slot_rows], causal_mask(q, length))
+    assert rel(got, want.flatten(0, 1)) < 5e-3  # bf16 output rounding
+    one_by_one = torch.cat([attend_latent(q_lat[r * q:(r + 1) * q], flat[slot_rows[r]], LATENT, TAU)
+                            for r in range(requests)])
     assert rel(one_by_one, got) < 5e-3
 
 
 def test_gathered_core_under_torch_compile_matches_eager():
     """One compiled graph over every request, the cache gather inside it, equals the eager core
     on rows scattered over a paged pool."""
-    gen = torch.Generator().manual_seed(1)
     requests, q, heads, length = 2, 2, 3, 50
-    flat = torch.randn(4 * requests * length, ROW, generator=gen).to(torch.bfloat16)
-    slot_rows = torch.randperm(flat.shape[0], generator=gen)[:requests * length].view(requests, length)
-    q_lat = torch.randn(requests * q, heads, ROW, generator=gen).to(torch.bfloat16)
-    masked = causal_mask(q, length)
+    q_lat, flat, slot_rows = paged_problem(1, requests, q, heads, length)
     eager = torch.full((requests * q, heads, LATENT), math.nan, dtype=torch.bfloat16)
     compiled = eager.clone()
-    gathered_core(q_lat, flat, slot_rows, masked, eager)
+    gathered_core(q_lat, flat, slot_rows, eager)
     torch._dynamo.reset()
-    torch.compile(gathered_core, dynamic=False)(q_lat, flat, slot_rows, masked, compiled)
-    want = attention_fp64(q_lat.view(requests, q, heads, ROW), flat[slot_rows], masked).flatten(0, 1)
+    torch.compile(gathered_core, dynamic=False)(q_lat, flat, slot_rows, compiled)
+    want = attention_fp64(q_lat.view(requests, q, heads, ROW), flat[slot_rows], causal_mask(q, length)).flatten(0, 1)
     assert rel(eager, want) < 5e-3 and rel(compiled, want) < 5e-3
