@@ -484,6 +484,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
         out = torch.empty((m, n) if x.dim() == 2 else (m, heads, n), dtype=out_dtype, device=x.device)
     ops = Operands(heads, _strides(x), _strides(out), kind,
                    _strides(operand) if operand is not None else (0, 0))
+    if isinstance(tiling, WgmmaTiling):
+        m_atoms += m_atoms % 2  # its x tiles have 16·ceil(M/16) rows: one program for 17-32 rows, ...
     key = (n, k, m_atoms, out_dtype, dev.arch, tiling, ops)
     fn = _COMPILED.get(key)
     if fn is None:
