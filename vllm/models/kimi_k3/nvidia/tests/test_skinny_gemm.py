@@ -290,6 +290,18 @@ def evidence():
                      extra={"rel_err_bound": {str(k).removeprefix("torch."): v for k, v in REL_ERR_BOUND.items()}})
 
 
+def _judge(evidence: list[dict], failures: list[str], name: str, out: torch.Tensor, ref: torch.Tensor,
+           bound: float, **fields) -> None:
+    """One case's evidence row (NaN left unwritten, relative error against ref) and its failure."""
+    unwritten = int(torch.isnan(out).sum())
+    rel = rel_err(out, ref)
+    ok = unwritten == 0 and rel < bound
+    evidence.append({"name": name, "status": "pass" if ok else "fail", "rel_err": rel, "unwritten": unwritten,
+                     **fields})
+    if not ok:
+        failures.append(f"{name}: rel_err {rel:.2e} (bound {bound:.0e}), {unwritten} NaN left")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=[s.name for s in SHAPES])
 def test_matches_reference_on_every_shape(shape, evidence):
@@ -303,18 +315,11 @@ def test_matches_reference_on_every_shape(shape, evidence):
             x = draw(dist, (m, shape.k), gen, "cuda")
             out = torch.full((m, shape.n), float("nan"), dtype=shape.out_dtype, device="cuda")
             skinny_gemm.launch(x, w, out, out_dtype=shape.out_dtype)
-            ref = linear(x, w, torch.float32)
-            unwritten = int(torch.isnan(out).sum())
-            rel = rel_err(out, ref)
-            ok = unwritten == 0 and rel < bound
-            evidence.append({"name": f"{shape.name} M={m} {dist}", "status": "pass" if ok else "fail",
-                             "shape": {"n": shape.n, "k": shape.k, "m": m,
-                                       "out_dtype": str(shape.out_dtype).removeprefix("torch.")},
-                             "distribution": dist, "rel_err": rel, "unwritten": unwritten})
-            if not ok:
-                failures.append(f"M={m} {dist}: rel_err {rel:.2e} (bound {bound:.0e}), {unwritten} NaN left")
+            _judge(evidence, failures, f"{shape.name} M={m} {dist}", out, linear(x, w, torch.float32), bound,
+                   shape={"n": shape.n, "k": shape.k, "m": m,
+                          "out_dtype": str(shape.out_dtype).removeprefix("torch.")}, distribution=dist)
         del w
-    assert not failures, f"{shape.name}: " + "; ".join(failures)
+    assert not failures, "; ".join(failures)
 
 
 @pytest.mark.gpu
@@ -394,14 +399,8 @@ def test_operand_layouts_and_epilogues_match_the_reference(case, evidence):
             out_dtype = torch.float32 if "scale" in kw else BF16
             out = torch.full(ref.shape, float("nan"), dtype=out_dtype, device="cuda")
             skinny_gemm.launch(x, w, out, out_dtype=out_dtype, **kw)
-            unwritten = int(torch.isnan(out).sum())
-            rel = rel_err(out, ref)
-            ok = unwritten == 0 and rel < REL_ERR_BOUND[BF16]
-            evidence.append({"name": f"{case} M={m} {dist}", "status": "pass" if ok else "fail",
-                             "distribution": dist, "rel_err": rel, "unwritten": unwritten})
-            if not ok:
-                failures.append(f"M={m} {dist}: rel_err {rel:.2e}, {unwritten} NaN left")
-    assert not failures, f"{case}: " + "; ".join(failures)
+            _judge(evidence, failures, f"{case} M={m} {dist}", out, ref, REL_ERR_BOUND[BF16], distribution=dist)
+    assert not failures, "; ".join(failures)
 
 
 # (name, N, K, x row stride, out dtype): a partial last W tile at 128 rows, N under one tile with
@@ -427,10 +426,6 @@ def test_wgmma_tilings_match_the_reference(tiling, evidence):
                 x = draw(dist, (m, stride), gen, "cuda")[:, :k]
                 out = torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")
                 skinny_gemm.launch(x, w, out, out_dtype=out_dtype, tiling=tiling)
-                rel, unwritten = rel_err(out, linear(x.contiguous(), w, F32)), int(torch.isnan(out).sum())
-                ok = unwritten == 0 and rel < REL_ERR_BOUND[out_dtype]
-                evidence.append({"name": f"wgmma {tiling} {name} M={m} {dist}", "status": "pass" if ok else "fail",
-                                 "distribution": dist, "rel_err": rel, "unwritten": unwritten})
-                if not ok:
-                    failures.append(f"{name} M={m} {dist}: rel_err {rel:.2e}, {unwritten} NaN left")
-    assert not failures, f"{tiling}: " + "; ".join(failures)
+                _judge(evidence, failures, f"wgmma {tiling} {name} M={m} {dist}", out,
+                       linear(x.contiguous(), w, F32), REL_ERR_BOUND[out_dtype], distribution=dist)
+    assert not failures, "; ".join(failures)
