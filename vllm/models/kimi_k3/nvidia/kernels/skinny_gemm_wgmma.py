@@ -79,17 +79,18 @@ def stages_for(block_w: int, m_atoms: int) -> int:
 
 def choose_wgmma_tiling(n: int, k: int, m_atoms: int, sm_count: int) -> WgmmaTiling:
     """128 W rows a CTA (each x tile then feeds twice the W rows of a 64-row tile) unless N gives
-    fewer than a CTA for every fourth SM, as many stages as let two CTAs share an SM, and K split
-    until the grid fills those two CTAs an SM, keeping at least two K tiles per split and the fp32
-    partials (written, then read back) under a quarter of W's bytes; then renumbered so that no
-    split is empty. Not yet measured: `sweep_skinny_tiling` compares it with the warp-level
-    kernel's tilings."""
+    fewer than a CTA for every fourth SM; K split until the grid fills two CTAs an SM, keeping at
+    least two K tiles per split and the fp32 partials (written, then read back) under a quarter
+    of W's bytes, then renumbered so that no split is empty; as many stages as let two CTAs share
+    an SM and a split has K tiles. Not yet measured: `sweep_skinny_tiling` compares it with the
+    warp-level kernel's tilings."""
     block_w = 128 if -(-n // 128) >= sm_count // 4 else 64
     k_tiles = -(-k // TILE_K)
     tiles_n = -(-n // block_w)
     wanted = max(1, min(2 * sm_count // tiles_n, k_tiles // 2, k // (16 * token_rows(m_atoms))))
     per_split = -(-k_tiles // wanted)
-    return WgmmaTiling(block_w, stages_for(block_w, m_atoms), -(-k_tiles // per_split))
+    # no more buffers than a split has tiles: spare ones would only hold shared memory
+    return WgmmaTiling(block_w, max(2, min(stages_for(block_w, m_atoms), per_split)), -(-k_tiles // per_split))
 
 
 @cute.kernel
