@@ -14,6 +14,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -24,14 +25,14 @@ from ..reference.model import ReferenceModel
 
 BLOCK_LAYERS = 12
 FULL_LAYERS = 93
-# what a parity record's logits depend on: the executor and its ops, the kernels, the weights'
+# what a parity record's logits depend on: the executor and its ops, the kernels (the whole
+# folder, so that a kernel file added or folded into another is never missed), the weights'
 # layout, the reference the standard path runs, and this file
 PARITY_SOURCES = (*(f"vllm/models/kimi_k3/nvidia/latency_specialized/{f}.py" for f in (
                       "executor", "decode_ops", "torch_ops", "config", "weights", "moe_padding")),
                   "vllm/models/kimi_k3/nvidia/benchmarks/block_parity.py",
-                  *(f"vllm/models/kimi_k3/nvidia/kernels/{k}.py" for k in (
-                      "attn_res", "embedding", "kda_decode", "mla_cache_write", "mla_decode", "mla_combine",
-                      "moe_combine", "moe_experts", "moe_router", "rms_norm", "situ_mul", "skinny_gemm")),
+                  *(f"vllm/models/kimi_k3/nvidia/kernels/{p.name}"
+                    for p in sorted((Path(__file__).resolve().parents[1] / "kernels").glob("*.py"))),
                   *(f"vllm/models/kimi_k3/nvidia/reference/{r}.py" for r in (
                       "attn_res", "collective", "dense_mlp", "kda", "mla", "model", "moe", "ops", "params", "state")))
 # Parity. With random weights, K3's router (top-16 of 896, sigmoid scores within ~0.03 of each

@@ -100,6 +100,17 @@ def test_a_record_of_fast_track_record_tests_is_made_by_it_again():
     assert args[args.index("--") + 1:][-1] == "vllm/models/kimi_k3/nvidia/tests/test_features_cuda.py"
 
 
+def test_a_source_deleted_since_the_record_is_left_out_of_its_refresh():
+    features = _record("python3 -m pytest -q -p no:cacheprovider -m gpu vllm/models/kimi_k3/nvidia/tests/test_features_cuda.py",
+                       "features_parity.json", kind="parity", family="features", exit_code=0,
+                       sources=["vllm/models/kimi_k3/nvidia/latency_specialized/engine.py",
+                                "vllm/models/kimi_k3/nvidia/kernels/folded_into_another.py"])
+    (step,) = _run_steps(refresh.step_lines([features]))
+    args = step[2:]
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--source"] == [
+        "vllm/models/kimi_k3/nvidia/latency_specialized/engine.py"]
+
+
 def test_a_shared_command_runs_once_and_an_unknown_one_is_said_not_run():
     norms = "python -m vllm.models.kimi_k3.nvidia.benchmarks.bench_norms --out-dir /root/out/w/ev"
     lines = refresh.step_lines([_record(norms, "norm_bench.json"), _record(norms, "attn_res_bench.json"),
