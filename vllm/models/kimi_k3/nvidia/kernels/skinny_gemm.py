@@ -56,10 +56,10 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32, const_expr
-from cutlass.cute.runtime import make_ptr
 
 from .device import DeviceFacts, facts
 from .gemm_store import MAX_ROWS, split_workspace, store, sum_splits
+from .rms_norm import gmem_ptr
 from .skinny_gemm_wgmma import ARCHS as WGMMA_ARCHS
 from .skinny_gemm_wgmma import WgmmaTiling, choose_wgmma_tiling, compile_skinny_gemm_wgmma
 
@@ -352,10 +352,6 @@ def _skinny_gemm_host(
     )
 
 
-def _ptr(dtype: Any, address: int, align: int = 16) -> cute.Pointer:
-    return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
-
-
 def compile_skinny_gemm(n: int, k: int, m_atoms: int, out_dtype: torch.dtype, tiling: Tiling | WgmmaTiling,
                         arch: str, ptx_dir: str | None = None, ops: Operands | None = None) -> Any:
     """Compile for one static shape, operand layout (default: `Operands.plain`) and arch
@@ -367,20 +363,15 @@ def compile_skinny_gemm(n: int, k: int, m_atoms: int, out_dtype: torch.dtype, ti
     """
     if isinstance(tiling, WgmmaTiling):
         return compile_skinny_gemm_wgmma(n, k, m_atoms, _OUT_DTYPES[out_dtype], tiling, arch,
-                                         ops or Operands.plain(n, k), _placeholder, ptx_dir)
+                                         ops or Operands.plain(n, k), ptx_dir)
     return cute.compile(
         _skinny_gemm_host,
-        _placeholder(BFloat16, 16), _placeholder(BFloat16, 16), _placeholder(_OUT_DTYPES[out_dtype], 16),
-        _placeholder(BFloat16, 2), _placeholder(Float32, 16), _placeholder(Int32, 4), Int32(1), Float32(1.0), cute.runtime.make_fake_stream(),
+        gmem_ptr(BFloat16, 16), gmem_ptr(BFloat16, 16), gmem_ptr(_OUT_DTYPES[out_dtype], 16), gmem_ptr(BFloat16, 16, 2),
+        gmem_ptr(Float32, 16), gmem_ptr(Int32, 16, 4), Int32(1), Float32(1.0), cute.runtime.make_fake_stream(),
         n, k, m_atoms, tiling.row_tiles, tiling.chunk_atoms, tiling.x_atoms,
         tiling.warps_n, tiling.warps_k, tiling.splits, ops or Operands.plain(n, k),
         options=f"--gpu-arch {arch}" + (f" --keep-ptx --keep-cubin --dump-dir={ptx_dir}" if ptx_dir else ""),
     )
-
-
-def _placeholder(dtype: Any, align: int) -> cute.Pointer:
-    """A pointer argument for a compile without tensors."""
-    return _ptr(dtype, 16, align)
 
 
 def _strides(t: torch.Tensor) -> tuple[int, int]:
@@ -493,8 +484,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
     ws, cnt = _split_scratch(dev, n, tiling, heads)
     stream = torch.cuda.current_stream(x.device) if stream is None else stream
     e_addr = (operand if operand is not None else x).data_ptr()
-    fn(_ptr(BFloat16, w.data_ptr()), _ptr(BFloat16, x.data_ptr()),
-       _ptr(_OUT_DTYPES[out_dtype], out.data_ptr()), _ptr(BFloat16, e_addr, 2), _ptr(Float32, ws.data_ptr()),
-       _ptr(Int32, cnt.data_ptr(), 4), m, float(scale if scale is not None else 1.0),
+    fn(gmem_ptr(BFloat16, w.data_ptr()), gmem_ptr(BFloat16, x.data_ptr()),
+       gmem_ptr(_OUT_DTYPES[out_dtype], out.data_ptr()), gmem_ptr(BFloat16, e_addr, 2), gmem_ptr(Float32, ws.data_ptr()),
+       gmem_ptr(Int32, cnt.data_ptr(), 4), m, float(scale if scale is not None else 1.0),
        cuda.CUstream(stream.cuda_stream))
     return out

@@ -39,6 +39,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.utils import LayoutEnum
 
 from .gemm_store import split_workspace, store, sum_splits
+from .rms_norm import gmem_ptr
 
 TILE_K = 64  # one 128-byte swizzle row of bf16
 _THREADS = 128  # one warpgroup
@@ -234,14 +235,14 @@ def _wgmma_host(
 
 
 def compile_skinny_gemm_wgmma(n: int, k: int, m_atoms: int, out_type: Any, tiling: WgmmaTiling, arch: str,
-                              ops: Any, ptr: Any, ptx_dir: str | None = None) -> Any:
-    """Compile for one static shape and operand layout (`skinny_gemm.Operands`, 2-D); needs no GPU.
-    `ptr(dtype, align)` makes the placeholder pointers (`skinny_gemm`'s)."""
+                              ops: Any, ptx_dir: str | None = None) -> Any:
+    """Compile for one static shape and operand layout (`skinny_gemm.Operands`, 2-D); needs no GPU."""
     if arch not in ARCHS:
         raise ValueError(f"skinny_gemm_wgmma: wgmma and TMA need one of {ARCHS}, got {arch}")
     return cute.compile(
         _wgmma_host,
-        ptr(BFloat16, 16), ptr(BFloat16, 16), ptr(out_type, 16), ptr(BFloat16, 2), ptr(Float32, 16), ptr(Int32, 4),
+        gmem_ptr(BFloat16, 16), gmem_ptr(BFloat16, 16), gmem_ptr(out_type, 16), gmem_ptr(BFloat16, 16, 2),
+        gmem_ptr(Float32, 16), gmem_ptr(Int32, 16, 4),
         Int32(17), Float32(1.0), cute.runtime.make_fake_stream(),
         n, k, m_atoms, tiling.block_w, tiling.stages, tiling.splits, ops,
         options=f"--gpu-arch {arch}" + (f" --keep-ptx --keep-cubin --dump-dir={ptx_dir}" if ptx_dir else ""),
