@@ -105,10 +105,10 @@ def _gpu_pytest(args: list[str]) -> list[str]:
     return ["python3", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *keep, *files]
 
 
-def _recorder(record: Record, tool: str, root: Path = REPO) -> list[str]:
+def _recorder(record: Record, tool: str) -> list[str]:
     """`fast-track TOOL` writing `record` again, with those of its sources the tree still has (a
     file deleted since, say a kernel folded into another, would make the tool refuse the run)."""
-    sources = [a for s in record.sources if (root / s).exists() for a in ("--source", s)]
+    sources = [a for s in record.sources if (REPO / s).exists() for a in ("--source", s)]
     return ["python3", "-m", "tools.fast_track.cli", tool, "--out", f"{EV}/{Path(record.rel).name}", *sources]
 
 
