@@ -14,6 +14,12 @@ then `reference/mla.py::attend_latent`: FP32 scores, causal softmax and weighted
 torch.compile (one graph a case: a loop over requests would be unrolled and compiled once per
 block table). Each kernel result is checked against the eager core.
 
+`--sweep` also times every variant of `mla_decode.sweep_plans` per case in the same run (each
+with its own split policy, its output checked like the default's; a failing variant fails the
+run) and names the fastest. `--kernels` adds, per case, the GPU time of each kernel the default
+runs (the split kernel and the combine) from the torch profiler: what of the time above the floor
+is the combine's, and what is the split kernel's own.
+
     python -m vllm.models.kimi_k3.nvidia.benchmarks.bench_mla_decode --out $OUT/mla_bench.json
 
 writes an evidence record (kind "kernel-bench", family "mla") and prints a table last.
@@ -30,9 +36,12 @@ from collections.abc import Callable
 import torch
 
 from ..kernels import mla_decode
+from torch.profiler import ProfilerActivity, profile
+
 from ..latency_specialized.evidence import write_record
 from ..reference.mla import attend_latent
 from .bench_skinny_gemm import copy_bandwidth_TBps, time_graph
+from .profile_step import kernel_table
 
 SOURCES = (
     "vllm/models/kimi_k3/nvidia/kernels/mla_decode.py",
@@ -86,9 +95,14 @@ class Case:
     def name(self) -> str:
         return f"h={self.heads} q={self.q} requests={self.requests} context={self.context}"
 
-    def kernel(self, out: torch.Tensor, s: int) -> Callable[[], object]:
+    def kernel(self, out: torch.Tensor, s: int, plan: mla_decode.DecodePlan | None = None) -> Callable[[], object]:
         table = self.tables[s]
-        return lambda: mla_decode.launch(self.q_lat, self.cache, table, self.seq_lens, self.query_start, self.q, out)
+        return lambda: mla_decode.launch(self.q_lat, self.cache, table, self.seq_lens, self.query_start, self.q, out,
+                                         plan=plan)
+
+    def launches(self, out: torch.Tensor, plan: mla_decode.DecodePlan | None = None) -> list[Callable[[], object]]:
+        """What one graph replay holds: launches rotating over the block-table sets."""
+        return [self.kernel(out, i % self.sets, plan) for i in range(max(4, self.sets))]
 
     def eager(self, out: torch.Tensor, s: int) -> Callable[[], object]:
         """The reference core per request: gather, FP32 scores, masked softmax, weighted latents."""
@@ -117,30 +131,86 @@ class Case:
         return run
 
 
-def bench_case(case: Case, copy_bw: float, baselines: tuple[str, ...], sm_count: int) -> dict:
+def plan_label(plan: mla_decode.DecodePlan) -> str:
+    return (f"{plan.warps}w {plan.chunk}tok {plan.stages}st {plan.m_tiles}mt waves={plan.waves} "
+            f"min={plan.min_chunks}")
+
+
+def units_of(case: Case, plan: mla_decode.DecodePlan, sm_count: int) -> list[mla_decode.WorkUnit]:
+    return mla_decode.schedule([case.context] * case.requests, case.query_start.tolist(), case.requests * case.q,
+                               case.tables[0].shape[1] * BLOCK_SIZE, plan, mla_decode.default_target(sm_count, plan),
+                               plan.min_chunks)
+
+
+def time_plans(case: Case, copy_bw: float, sm_count: int, plans: list[mla_decode.DecodePlan],
+               judge: torch.Tensor | None) -> list[dict]:
+    """Each plan timed in turn on the same case, its set-0 output compared with `judge` (the eager
+    core where it ran, else the default plan's output; a NaN anywhere fails it)."""
+    floor_us = case.cache_bytes / (copy_bw * 1e12) * 1e6
+    rows = []
+    for plan in plans:
+        out = torch.full((case.requests * case.q, case.heads, LATENT), float("nan"), device="cuda",
+                         dtype=torch.bfloat16)
+        time_us = time_graph(case.launches(out, plan), replays=10)
+        out.fill_(float("nan"))
+        case.kernel(out, 0, plan)()
+        if judge is None:
+            judge = out.clone()  # the default plan, first: the others are compared with it
+        rel_err, status = judged(out, judge)
+        rows.append({"plan": plan_label(plan), "time_us": time_us, "frac_of_copy_bw": floor_us / time_us,
+                     "work_units": len(units_of(case, plan, sm_count)), "rel_err": rel_err, "status": status})
+    return rows
+
+
+def judged(out: torch.Tensor, judge: torch.Tensor) -> tuple[float, str]:
+    """(‖out − judge‖ / ‖judge‖, "pass" or "fail"): a NaN anywhere or an error at the bound fails."""
+    rel_err = float((out.float() - judge.float()).norm() / judge.float().norm())
+    return rel_err, "pass" if rel_err < REL_ERR_BOUND and not bool(torch.isnan(out).any()) else "fail"
+
+
+def fastest(sweep: list[dict]) -> dict | None:
+    """The fastest variant of a sweep that passed."""
+    passed = [r for r in sweep if r["status"] == "pass"]
+    return min(passed, key=lambda r: r["time_us"]) if passed else None
+
+
+def kernel_times(case: Case, reps: int = 5) -> dict[str, float]:
+    """GPU µs per launch of each kernel the default plan runs (the split kernel, the combine),
+    from the torch profiler over eager launches: where a case's time goes beside its floor."""
+    out = torch.empty((case.requests * case.q, case.heads, LATENT), device="cuda", dtype=torch.bfloat16)
+    launches = case.launches(out)
+    for f in launches:
+        f()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            for f in launches:
+                f()
+        torch.cuda.synchronize()
+    return {r["kernel"]: r["us_per_step"] for r in kernel_table(prof.events(), reps * len(launches))}
+
+
+def bench_case(case: Case, copy_bw: float, baselines: tuple[str, ...], sm_count: int, sweep: bool = False,
+               kernels: bool = False) -> dict:
     out = torch.full((case.requests * case.q, case.heads, LATENT), float("nan"), device="cuda", dtype=torch.bfloat16)
     case.kernel(out, 0)()
     res: dict = {"name": case.name, "shape": {"heads": case.heads, "q": case.q, "requests": case.requests,
                                               "rows": case.requests * case.q, "context": case.context,
                                               "block_size": BLOCK_SIZE}}
-    launches = max(4, case.sets)
-    res["time_us"] = time_graph([case.kernel(out, i % case.sets) for i in range(launches)], replays=10)
+    res["time_us"] = time_graph(case.launches(out), replays=10)
     res["floor_us"] = case.cache_bytes / (copy_bw * 1e12) * 1e6
     res["TBps"] = case.cache_bytes / (res["time_us"] * 1e-6) / 1e12
     res["frac_of_copy_bw"] = res["floor_us"] / res["time_us"]
-    plan = mla_decode.choose_plan(case.heads, case.q, BLOCK_SIZE)
-    units = mla_decode.schedule([case.context] * case.requests, case.query_start.tolist(), case.requests * case.q,
-                                case.tables[0].shape[1] * BLOCK_SIZE, plan, mla_decode.default_target(sm_count),
-                                mla_decode.MIN_CHUNKS)
+    units = units_of(case, mla_decode.choose_plan(case.heads, case.q, BLOCK_SIZE), sm_count)
     res["work_units"] = len(units)
     res["splits_per_request"] = units[0].splits
     res["status"] = "pass"
+    ref = None
     if case.cache_bytes <= BASELINE_MAX_BYTES:
         ref = torch.empty_like(out)
         case.kernel(out, 0)()
         case.eager(ref, 0)()
-        res["rel_err"] = float((out.float() - ref.float()).norm() / ref.float().norm())
-        res["status"] = "pass" if res["rel_err"] < REL_ERR_BOUND else "fail"
+        res["rel_err"], res["status"] = judged(out, ref)
         res["baseline_us"] = {}
         reps = max(1, min(4, case.sets))
         scratch = torch.empty_like(out)
@@ -159,6 +229,14 @@ def bench_case(case: Case, copy_bw: float, baselines: tuple[str, ...], sm_count:
             res[f"speedup_vs_{name}"] = us / res["time_us"]
     elif bool(torch.isnan(out).any()):
         res["status"] = "fail"
+    if sweep:
+        res["sweep"] = time_plans(case, copy_bw, sm_count, mla_decode.sweep_plans(case.heads, case.q, BLOCK_SIZE), ref)
+        best = fastest(res["sweep"])
+        res["best_plan"] = best["plan"] if best else None
+        if any(r["status"] != "pass" for r in res["sweep"]):
+            res["status"] = "fail"
+    if kernels:
+        res["kernel_us"] = kernel_times(case)
     return res
 
 
@@ -197,6 +275,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
     p.add_argument("--long", type=int, default=1 << 20, help="context of the one-request case (0: skip)")
     p.add_argument("--baselines", nargs="*", default=["eager", "sdpa"], choices=["eager", "sdpa", "compile"])
+    p.add_argument("--sweep", action="store_true",
+                   help="also time every variant of mla_decode.sweep_plans per case, each checked like the default")
+    p.add_argument("--kernels", action="store_true",
+                   help="also profile the default's kernels per case (split kernel vs combine, torch profiler)")
     p.add_argument("--out", default=None, help="evidence JSON path")
     args = p.parse_args(argv)
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -211,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for shape in shapes:
         case = Case(*shape, gen)
-        results.append(bench_case(case, copy_bw, tuple(args.baselines), sm_count))
+        results.append(bench_case(case, copy_bw, tuple(args.baselines), sm_count, args.sweep, args.kernels))
         del case
         torch.cuda.empty_cache()
     targets = targets_of(results, sm_count)
@@ -232,6 +314,19 @@ def main(argv: list[str] | None = None) -> int:
               f"{b.get('eager', float('nan')):9.1f} {b.get('sdpa', float('nan')):9.1f} {b.get('compile', float('nan')):9.1f} "
               f"{r.get('speedup_vs_sdpa', float('nan')):6.2f} {r['work_units']:5d} "
               f"{r.get('rel_err', float('nan')):8.1e}{'' if r['status'] == 'pass' else ' FAIL'}")
+    if args.kernels:
+        print(f"{'case':42s} {'graph us':>9s}  kernels (GPU us per launch, eager)")
+        for r in results:
+            print(f"{r['name']:42s} {r['time_us']:9.1f}  "
+                  + ", ".join(f"{name} {us:.1f}" for name, us in r["kernel_us"].items()))
+    if args.sweep:
+        print(f"{'case':42s} {'default':>9s} {'best':>9s} {'gain':>5s}  best plan")
+        for r in results:
+            best = fastest(r["sweep"]) or {"time_us": math.nan, "plan": "none passed"}
+            failed = [v["plan"] for v in r["sweep"] if v["status"] != "pass"]
+            print(f"{r['name']:42s} {r['sweep'][0]['time_us']:9.1f} {best['time_us']:9.1f} "
+                  f"{r['sweep'][0]['time_us'] / best['time_us']:5.2f}  {best['plan']}"
+                  + (f"  FAILED: {'; '.join(failed)}" if failed else ""))
     for t in targets:
         print(f"target {t['name']} {t['target']}: {t['value']:.3f} ({'met' if t['met'] else 'MISSED'}"
               f"{'; worst ' + t['worst_case'] if 'worst_case' in t else ''})")

@@ -1,8 +1,8 @@
 """MLA absorbed decode attention over the paged latent cache, split over the KV length.
 
 Compiled for sm_90a, sm_100a and sm_103a (every plan of `sweep_plans` for sm_90a without
-spills). Evidence (H200): `evidence/h200/mla_decode_test.json`, `mla_decode_bench.json` (the
-benchmark times the `sweep_plans` variants side by side; the defaults below are its choice).
+spills). Evidence (H200): `evidence/h200/mla_decode_test.json`, `mla_decode_bench.json`
+(`bench_mla_decode --sweep` times the `sweep_plans` variants side by side).
 
 Math (K3_MATH.md §3.5 (6); `reference/mla.py::attend_absorbed` is the oracle, read up to its
 latent output ol, before W_UV): for every query row i of a request, with q_lat_i = [ql | q_pe]
@@ -50,8 +50,8 @@ each cache row read):
   (64 value columns each), so three 16-row tiles of accumulators fit in registers (246):
   96 rows (12 heads × 8 tokens) read each cache row twice instead of three times.
   `sweep_plans` lists the variants a benchmark times against the default (the superseded
-  shape; 4 vs 8 warps; 2 or 4 waves; longer minimum splits; one tile more or fewer);
-  `launch(plan=...)` runs any of them.
+  shape; 4 vs 8 warps; 2 or 4 waves; longer minimum splits; one tile more or fewer; two
+  96 KB CTAs resident on each SM); `launch(plan=...)` runs any of them.
 - The schedule is computed on the device from seq_lens (CUDA-graph safe, identical in
   every CTA): W = Σ_r chunks_r · tiles_r, T = Σ_r tiles_r over requests with chunks,
   chunks per split cps = max(min_chunks, ⌈W / max(target − T + 1, 1)⌉), splits_r =
@@ -100,6 +100,8 @@ MAX_CONTEXT = 1 << 20  # declared in SCOPE.yaml; longer contexts go to the stand
 SCALE_LOG2 = math.log2(math.e) / math.sqrt(192.0)  # τ with exp folded into exp2
 INFO = mla_combine.INFO_FIELDS
 SMEM_PER_CTA = 227 * 1024
+SMEM_PER_SM = 228 * 1024  # sm_90 and sm_100
+SMEM_RESERVED_PER_CTA = 1024  # the system's share of each resident CTA
 
 
 class MlaDecodeEnvelopeError(ValueError):
@@ -171,6 +173,11 @@ class DecodePlan:
         return (self.heads, self.max_q, self.block_size, self.m_tiles, self.stages, self.warps, self.chunk)
 
     @property
+    def smem_ctas(self) -> int:
+        """CTAs of this plan that one SM's shared memory holds at once."""
+        return SMEM_PER_SM // (self.smem_bytes + SMEM_RESERVED_PER_CTA)
+
+    @property
     def smem_bytes(self) -> int:
         ring = 2 * self.stages * self.chunk * PITCH
         q_tile = 2 * self.tile_rows * PITCH
@@ -200,13 +207,20 @@ def sweep_plans(heads: int, max_q: int, block_size: int) -> list[DecodePlan]:
     """The default plan first, then the variants a benchmark compares with it."""
     base = choose_plan(heads, max_q, block_size)
     rows = heads * max_q
+    variants = [replace(base, **kw) for kw in (
+        {"warps": 4, "chunk": 32, "stages": 4, "m_tiles": min(2, base.m_tiles), "waves": 4,
+         "min_chunks": 4},  # the superseded GPU-tested shape
+        {"warps": 4, "m_tiles": min(2, base.m_tiles)}, {"warps": 8},
+        {"waves": 2}, {"waves": 4, "min_chunks": 4}, {"min_chunks": 8},
+        {"m_tiles": min(4 if base.warps == 8 else 2, -(-rows // 16))}, {"m_tiles": max(1, base.m_tiles - 1)})]
+    # Two CTAs an SM at once (up to 16 query rows: 96 KB each): one CTA's copies stream while the
+    # other computes, where the default's single CTA alternates between waiting and computing;
+    # its second "wave" is resident beside the first. Aimed at one long request, whose few
+    # chunks per split leave the default's pipeline mostly filling and draining.
+    pair = replace(base, warps=4, chunk=32, stages=2, m_tiles=min(2, base.m_tiles), waves=2)
+    variants += [pair] if pair.smem_ctas >= 2 else []
     plans = [base]
-    for kw in ({"warps": 4, "chunk": 32, "stages": 4, "m_tiles": min(2, base.m_tiles), "waves": 4,
-                "min_chunks": 4},  # the superseded GPU-tested shape
-               {"warps": 4, "m_tiles": min(2, base.m_tiles)}, {"warps": 8},
-               {"waves": 2}, {"waves": 4, "min_chunks": 4}, {"min_chunks": 8},
-               {"m_tiles": min(4 if base.warps == 8 else 2, -(-rows // 16))}, {"m_tiles": max(1, base.m_tiles - 1)}):
-        plan = replace(base, **kw)
+    for plan in variants:
         if plan not in plans and plan.smem_bytes <= SMEM_PER_CTA:
             plans.append(plan)
     return plans
@@ -655,12 +669,12 @@ def _mla_decode_host(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cu
 
 def compile_mla_decode(plan: DecodePlan, arch: str, ptx_dir: str | None = None) -> Any:
     """Compile one variant for `arch` ('sm_90a', 'sm_100a', 'sm_103a'); needs no GPU. With `ptx_dir`
-    the PTX is kept (written there, and in the result's `artifacts.PTX`)."""
+    the PTX and cubin are kept (written there, and in the result's `artifacts.PTX` / `.CUBIN`)."""
     bf, i32, f32 = gmem_ptr(BFloat16, 16), gmem_ptr(Int32, 16, 4), gmem_ptr(Float32, 16)
     return cute.compile(_mla_decode_host, bf, bf, i32, i32, i32, bf, f32, f32, i32,
                         Int32(1), Int32(1), Int32(2), Int32(1), Int32(1), Int32(1), Int32(1),
                         cute.runtime.make_fake_stream(), plan,
-                        options=f"--gpu-arch {arch}" + (f" --keep-ptx --dump-dir {ptx_dir}" if ptx_dir else ""))
+                        options=f"--gpu-arch {arch}" + (f" --keep-ptx --keep-cubin --dump-dir {ptx_dir}" if ptx_dir else ""))
 
 
 # ---------------------------------------------------------------- host side

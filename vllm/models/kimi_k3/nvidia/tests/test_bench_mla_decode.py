@@ -1,10 +1,13 @@
-"""The MLA benchmark's torch baselines compute the absorbed attention they claim to (CPU)."""
+"""The MLA benchmark's torch baselines compute the absorbed attention they claim to, and its
+sweep judges and picks variants as it says (CPU)."""
 
 import math
 
 import torch
 
-from vllm.models.kimi_k3.nvidia.benchmarks.bench_mla_decode import LATENT, ROW, TAU, gathered_core
+from vllm.models.kimi_k3.nvidia.benchmarks.bench_mla_decode import (LATENT, ROW, TAU, fastest, gathered_core, judged,
+                                                                    plan_label)
+from vllm.models.kimi_k3.nvidia.kernels import mla_decode
 from vllm.models.kimi_k3.nvidia.reference.mla import attend_latent
 
 
@@ -66,3 +69,21 @@ def test_gathered_core_under_torch_compile_matches_eager():
     torch.compile(gathered_core, dynamic=False)(q_lat, flat, slot_rows, compiled)
     want = attention_fp64(q_lat.view(requests, q, heads, ROW), flat[slot_rows], causal_mask(q, length)).flatten(0, 1)
     assert rel(eager, want) < 5e-3 and rel(compiled, want) < 5e-3
+
+
+def test_sweep_judging_and_pick():
+    """A variant passes only finite and within the bound of what it is judged against, the pick is
+    the fastest that passed, and every variant of a sweep has its own label in the record."""
+    judge = torch.randn(4, 6, LATENT, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    assert judged(judge.clone(), judge) == (0.0, "pass")
+    assert judged(judge * 1.01, judge)[1] == "fail"  # 1e-2 relative: over the 5e-3 bound
+    poisoned = judge.clone()
+    poisoned[0, 0, 0] = math.nan
+    assert judged(poisoned, judge)[1] == "fail"
+    sweep = [{"plan": "a", "time_us": 9.0, "status": "pass"}, {"plan": "b", "time_us": 5.0, "status": "fail"},
+             {"plan": "c", "time_us": 7.0, "status": "pass"}]
+    assert fastest(sweep)["plan"] == "c"
+    assert fastest(sweep[1:2]) is None
+    for heads, q in ((6, 1), (12, 8)):
+        plans = mla_decode.sweep_plans(heads, q, 64)
+        assert len({plan_label(p) for p in plans}) == len(plans)

@@ -9,10 +9,12 @@ query tile covered once, the grid bound, one long request filling the GPU, every
 running); the split / combine algorithm modelled on the schedule against the oracle; compile
 checks for sm_90a, sm_100a and sm_103a whose PTX must show the design (mma.sync m16n8k16,
 ldmatrix and ldmatrix.trans, 16-byte cp.async, ex2, no local memory) and, where ptxas is on
-PATH, no register spills. GPU (marker `gpu`): batches mixing lengths (1, 2, 7, block
+PATH, no register spills; every `sweep_plans` variant compiled, with the registers to hold as
+many CTAs an SM as its shared memory does. GPU (marker `gpu`): batches mixing lengths (1, 2, 7, block
 boundaries, 4097, 65536, one >= 262144), q = 1 and 8 and mixed, heads 6 / 12 / 96, block sizes
 16 / 64 / 128, four input distributions, adversarial scores (one huge logit, all equal, very
-negative) with many splits and none, NaN-poisoned outputs, ‖out − ref‖ / ‖ref‖ under a bound;
+negative) with many splits and none, every `sweep_plans` variant with its own split policy,
+NaN-poisoned outputs, ‖out − ref‖ / ‖ref‖ under a bound;
 bit-identical repeats; CUDA-graph replay after the lengths change on the device. With
 K3_EVIDENCE_DIR set the GPU results are written there as a "kernel-test" record.
 """
@@ -33,6 +35,7 @@ import torch
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install nvidia-cutlass-dsl==4.8.1)")
 
 from vllm.models.kimi_k3.nvidia.kernels import mla_combine, mla_decode  # noqa: E402
+from vllm.models.kimi_k3.nvidia.kernels.cubin_resources import kernel_resources  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.mla_decode import DecodePlan, schedule  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_kernel_test  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._util import rel_err  # noqa: E402
@@ -371,6 +374,20 @@ def test_decode_compiles_for_arch(plan, arch, tmp_path):
         assert "0 bytes spill stores" in report, report
 
 
+@pytest.mark.parametrize("max_q", [1, 8])
+def test_every_sweep_plan_compiles_and_fits_its_residency(max_q, tmp_path):
+    """Every variant `bench_mla_decode --sweep` times compiles for sm_90a with nothing in local
+    memory, and the registers ptxas gave it let an SM hold as many of its CTAs as the shared
+    memory does: the two-per-SM variant (plain decode) must really get two."""
+    plans = {plan.kernel_key: plan for plan in mla_decode.sweep_plans(12, max_q, 64)}
+    assert (max_q == 1) == any(plan.smem_ctas == 2 for plan in plans.values())
+    for plan in plans.values():
+        compiled = mla_decode.compile_mla_decode(plan, "sm_90a", ptx_dir=str(tmp_path))
+        used = kernel_resources(compiled.artifacts.CUBIN)
+        assert used.frame_bytes == 0, (plan, used)
+        assert used.ctas_per_sm(plan.threads) >= plan.smem_ctas, (plan, used)
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
 def test_combine_compiles_for_arch(arch, tmp_path):
     ptx = mla_combine.compile_mla_combine(32, arch, ptx_dir=str(tmp_path)).artifacts.PTX
@@ -405,7 +422,8 @@ def _run_case(name: str, b: Batch, evidence: list, **launch_kw) -> list[str]:
     evidence.append({"name": name, "status": "pass" if ok else "fail", "rel_err": worst,
                      "unwritten": unwritten,
                      "shape": {"heads": b.heads, "block_size": b.block_size, "lengths": b.lengths,
-                               "q": b.q_lens, **{k: v for k, v in launch_kw.items()}}})
+                               "q": b.q_lens, **{k: dataclasses.asdict(v) if dataclasses.is_dataclass(v) else v
+                                                 for k, v in launch_kw.items()}}})
     if ok:
         return []
     per_request = ", ".join(f"{e:.1e}" for e in errs)
@@ -472,6 +490,18 @@ def test_adversarial_scores(kind, split, evidence):
 def test_split_counts_agree(split, evidence):
     b = Batch([8, 40, 4097, 9000], [8, 8, 8, 8], 6, 64, "normal", 9, "cuda")
     failures = _run_case(f"splits {split}", b, evidence, **split)
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("heads, q, lengths", [(6, 1, [1, 7, 65, 4097, 40000]), (12, 8, [8, 70, 4100, 33000])])
+def test_every_sweep_plan_matches_reference(heads, q, lengths, evidence):
+    """Each variant the benchmark may time or pick, with its own split policy (waves, minimum
+    chunks per split), computes what the default does."""
+    failures = []
+    for plan in mla_decode.sweep_plans(heads, q, 64):
+        b = Batch(lengths, [q] * len(lengths), heads, 64, "normal", 31 + heads + q, "cuda")
+        failures += _run_case(f"sweep h={heads} q={q} {plan}", b, evidence, plan=plan)
     assert not failures, "; ".join(failures)
 
 
