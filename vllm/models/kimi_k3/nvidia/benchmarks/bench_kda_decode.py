@@ -40,7 +40,7 @@ from ..kernels.kda_decode import HEAD_DIM, SPLITS
 from ..latency_specialized.evidence import write_record
 from ..reference.kda import _gated_rms_norm, _l2_normalize, decay_log_alpha, gated_delta_rule_recurrent
 from .bench_norms import launch_floor_us
-from .bench_skinny_gemm import copy_bandwidth_TBps, time_graph
+from .bench_skinny_gemm import copy_bandwidth_TBps, require_cuda, time_graph
 
 SOURCES = ("vllm/models/kimi_k3/nvidia/kernels/kda_decode.py",
            "vllm/models/kimi_k3/nvidia/kernels/rms_norm.py",
@@ -221,6 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-compile", action="store_true", help="skip the torch.compile baseline")
     p.add_argument("--out", default=None, help="evidence JSON path")
     args = p.parse_args(argv)
+    require_cuda(p)
     t0 = time.time()
     copy_bw = copy_bandwidth_TBps()
     launch_us = launch_floor_us()

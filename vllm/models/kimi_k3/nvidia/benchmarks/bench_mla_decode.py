@@ -40,7 +40,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from ..latency_specialized.evidence import write_record
 from ..reference.mla import attend_latent
-from .bench_skinny_gemm import copy_bandwidth_TBps, time_graph
+from .bench_skinny_gemm import copy_bandwidth_TBps, require_cuda, time_graph
 from .profile_step import kernel_table
 
 SOURCES = (
@@ -281,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="also profile the default's kernels per case (split kernel vs combine, torch profiler)")
     p.add_argument("--out", default=None, help="evidence JSON path")
     args = p.parse_args(argv)
+    require_cuda(p)
     torch.backends.cuda.matmul.allow_tf32 = False
     t0 = time.time()
     copy_bw = copy_bandwidth_TBps()

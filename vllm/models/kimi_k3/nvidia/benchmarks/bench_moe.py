@@ -47,7 +47,7 @@ from ..latency_specialized.evidence import write_record
 from ..latency_specialized.torch_ops import TorchOps
 from ..reference.dense_mlp import activation_clips
 from ..reference.moe import _routed_latent, route
-from .bench_skinny_gemm import copy_bandwidth_TBps, time_graph
+from .bench_skinny_gemm import copy_bandwidth_TBps, require_cuda, time_graph
 
 SOURCES = (
     "vllm/models/kimi_k3/nvidia/kernels/moe_experts.py",
@@ -248,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="also time the standard form under torch.compile (a compile a case: minutes)")
     p.add_argument("--out", default=None, help="evidence JSON path")
     args = p.parse_args(argv)
+    require_cuda(p)
     torch.backends.cuda.matmul.allow_tf32 = False
     t0 = time.time()
     copy_bw = copy_bandwidth_TBps()

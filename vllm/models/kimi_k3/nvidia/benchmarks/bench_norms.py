@@ -39,7 +39,7 @@ from ..reference.collective import SingleRank
 from ..reference.model import embed
 from ..reference.ops import bf16_add
 from ..reference.ops import rms_norm as rms_norm_ref
-from .bench_skinny_gemm import copy_bandwidth_TBps, time_graph
+from .bench_skinny_gemm import copy_bandwidth_TBps, require_cuda, time_graph
 
 KERNELS = "vllm/models/kimi_k3/nvidia/kernels/"
 SOURCES = {
@@ -260,6 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out-dir", default=None, help="directory for the evidence JSON files")
     p.add_argument("--only", nargs="*", default=None, help="families to run (norm attn_res embedding)")
     args = p.parse_args(argv)
+    require_cuda(p)
     torch.backends.cuda.matmul.allow_tf32 = False
     t0 = time.time()
     copy_bw = copy_bandwidth_TBps()

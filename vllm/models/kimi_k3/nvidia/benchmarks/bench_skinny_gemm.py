@@ -39,6 +39,16 @@ COLD_BYTES = 192 * 2**20  # weights one graph replay touches: > 3× the H200's L
 REL_ERR_BOUND = 1e-2  # bf16 output rounding is ~2e-3 relative; fp32 output ~1e-6
 
 
+def require_cuda(ap: argparse.ArgumentParser) -> None:
+    """Stop with a usage error (exit status 2) when no CUDA device is present. Every GPU benchmark,
+    sweep and runner checks this right after its arguments, so that a CPU host gets one line,
+    not torch's assertion from inside the first timing loop, and a runner never reports tests
+    that were all skipped as passed."""
+    if not torch.cuda.is_available():
+        ap.error("needs a CUDA device: it runs and times kernels on the GPU (on the lent H200 through "
+                 ".ci/h200_call.sh: kernels/README.md, 'Running everything on the GPU in one call')")
+
+
 def copy_bandwidth_TBps(nbytes: int = 2 * 2**30, reps: int = 20) -> float:
     """Device-to-device copy rate, counting bytes read plus bytes written (METHOD.md)."""
     src = torch.empty(nbytes // 4, dtype=torch.float32, device="cuda").uniform_()
@@ -180,6 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="*", default=None, help="shape names (e.g. lm_head@tp8) to run")
     p.add_argument("--out", default=None, help="evidence JSON path")
     args = p.parse_args(argv)
+    require_cuda(p)
     torch.backends.cuda.matmul.allow_tf32 = False
     t0 = time.time()
     copy_bw = copy_bandwidth_TBps()

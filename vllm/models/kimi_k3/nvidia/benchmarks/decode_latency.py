@@ -47,7 +47,7 @@ from ..latency_specialized.torch_ops import RoundingNoiseOps, TorchOps
 from ..reference.model import ReferenceModel
 from ..reference.params import KDAWeights, MoEWeights
 from .bench_moe import median_us
-from .bench_skinny_gemm import copy_bandwidth_TBps
+from .bench_skinny_gemm import copy_bandwidth_TBps, require_cuda
 from .block_parity import (BLOCK_LAYERS, FULL_LAYERS, PARITY_MIN_TOKENS, PARITY_SOURCES, fill_state, k3_block,
                            parity_lockstep, parity_status, parity_steps_at, segments)
 
@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-graphed-standard", action="store_true", help="skip the TorchOps graphed baseline")
     ap.add_argument("--quick", action="store_true", help="TP16 rows 1, 2, 8 (q 1) and one q 8 request, ctx 4K")
     args = ap.parse_args(argv)
+    require_cuda(ap)
     if args.quick:
         args.tp, args.rows, args.q, args.contexts = [16], [1, 2, 8], [1, 8], [4096]
     out = Path(args.out)

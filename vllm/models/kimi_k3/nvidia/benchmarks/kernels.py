@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from .bench_skinny_gemm import require_cuda
+
 TESTS = "vllm/models/kimi_k3/nvidia/tests"
 BENCH = "vllm.models.kimi_k3.nvidia.benchmarks"
 
@@ -49,6 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tests-only", action="store_true", help="skip the benchmarks")
     ap.add_argument("--timeout", type=int, default=240, help="seconds per test run or benchmark")
     args = ap.parse_args(argv)
+    require_cuda(ap)  # on a CPU host every GPU test would skip, and the table would call that ok
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, K3_EVIDENCE_DIR=str(out), PYTHONUNBUFFERED="1")

@@ -31,6 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from ..latency_specialized.decode_ops import KernelOps
 from ..latency_specialized.executor import SpecializedDecode
+from .bench_skinny_gemm import require_cuda
 from .block_parity import fill_state, k3_block, segments
 from .decode_latency import median_ms
 
@@ -93,9 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--top", type=int, default=25, help="kernels printed")
     ap.add_argument("--out", help="JSON file for the table")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("error: profile_step needs a CUDA device", file=sys.stderr)
-        return 2
+    require_cuda(ap)
     bad = [r for r in args.rows if r % args.q]
     if bad:
         print(f"error: --rows {bad} are not multiples of --q {args.q}", file=sys.stderr)

@@ -32,7 +32,7 @@ from ..kernels.rms_norm import gmem_ptr
 from ..latency_specialized.config import PRESETS
 from ..reference.dense_mlp import activation_clips
 from .bench_moe import expert_weights, uniform_routing
-from .bench_skinny_gemm import time_graph
+from .bench_skinny_gemm import require_cuda, time_graph
 from .sweeps import finish
 
 K3 = PRESETS["k3"]
@@ -114,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop compiling new candidates after this")
     ap.add_argument("--out", help="JSON file for every candidate's time")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        ap.error("needs a CUDA device: the sweep times kernels")
+    require_cuda(ap)
     deadline = time.monotonic() + args.budget_s
     gen = torch.Generator(device="cuda").manual_seed(0)
     h, top_k, n_experts = K3.routed_expert_hidden_size, K3.num_experts_per_token, K3.num_experts

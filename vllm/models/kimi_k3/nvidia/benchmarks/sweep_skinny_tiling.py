@@ -25,7 +25,7 @@ from dataclasses import asdict, replace
 import torch
 
 from ..kernels.skinny_gemm import MAX_ROWS, Tiling, choose_tiling
-from .bench_skinny_gemm import ShapeInputs, bench_case, copy_bandwidth_TBps, unique_shapes
+from .bench_skinny_gemm import ShapeInputs, bench_case, copy_bandwidth_TBps, require_cuda, unique_shapes
 from .sweeps import finish
 
 REGS_PER_SM = 65536
@@ -106,8 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop timing new candidates after this")
     ap.add_argument("--out", help="JSON file for every candidate's time")
     args = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        ap.error("needs a CUDA device: the sweep times kernels")
+    require_cuda(ap)
     if not all(1 <= m <= MAX_ROWS for m in args.rows):
         ap.error(f"--rows must lie in 1..{MAX_ROWS}, got {args.rows}")
     deadline = time.monotonic() + args.budget_s

@@ -1,0 +1,27 @@
+"""Every GPU benchmark, sweep and runner of benchmarks/ stops on a host without a CUDA device with
+one usage line that says so (exit status 2), before any work: not torch's assertion from inside
+a timing loop, and not a runner's table calling skipped GPU tests ok (CPU)."""
+
+import importlib
+
+import pytest
+import torch
+
+# module -> the arguments it needs to get past argparse
+GPU_CLIS = {
+    "bench_kda_decode": [], "bench_mla_decode": [], "bench_moe": [], "bench_norms": [],
+    "bench_skinny_gemm": [], "decode_latency": ["--out", "unused"], "kernels": ["--out", "unused"], "profile_step": [],
+    "sweep_moe_tiling": [], "sweep_skinny_tiling": [],
+}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks what a host without a GPU is told")
+@pytest.mark.parametrize("module", sorted(GPU_CLIS))
+def test_without_a_gpu_it_says_so(module, capsys, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # a tool that wrote anything before the check would leave it here
+    main = importlib.import_module(f"vllm.models.kimi_k3.nvidia.benchmarks.{module}").main
+    with pytest.raises(SystemExit) as stop:
+        main(GPU_CLIS[module])
+    assert stop.value.code == 2
+    assert "needs a CUDA device" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())
