@@ -34,10 +34,9 @@ import time
 from collections.abc import Callable
 
 import torch
-
-from ..kernels import mla_decode
 from torch.profiler import ProfilerActivity, profile
 
+from ..kernels import mla_decode
 from ..latency_specialized.evidence import write_record
 from ..reference.mla import attend_latent
 from .bench_skinny_gemm import copy_bandwidth_TBps, require_cuda, time_graph
