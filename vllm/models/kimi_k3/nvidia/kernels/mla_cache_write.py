@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import cuda.bindings.driver as cuda
-import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, const_expr

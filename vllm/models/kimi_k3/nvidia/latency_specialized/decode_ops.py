@@ -32,7 +32,6 @@ from ..reference import moe as ref_moe
 from ..reference.collective import SingleRank
 from ..reference.model import embed as ref_embed
 from ..reference.ops import BF16, F32, acc_dtype, bf16_add, linear, rms_norm, situ_and_mul
-from ..reference.state import Segment
 from .moe_padding import pad_moe
 
 if TYPE_CHECKING:

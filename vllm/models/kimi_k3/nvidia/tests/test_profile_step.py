@@ -3,7 +3,6 @@ step, and overlapping kernels' time charged once, to the oldest one running."""
 
 from types import SimpleNamespace
 
-import pytest
 import torch
 
 from vllm.models.kimi_k3.nvidia.benchmarks.profile_step import critical_us, kernel_table, short_name
