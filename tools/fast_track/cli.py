@@ -3,7 +3,8 @@
     fast-track check [--base REF] [--model DIR] [--report FILE]
     fast-track render-evidence [--model DIR] --out FILE
     fast-track record-coverage --coverage FILE --out FILE --command CMD [--model DIR]
-    fast-track record-sanitizer --out FILE --source PATH [--source ...] [--tool T ...] [--kernel-name S] -- CMD...
+    fast-track record-sanitizer --out FILE --source PATH [--source ...] [--tool T ...] [--kernel-name S]
+                                -- CMD...
     fast-track record-tests --out FILE --kind KIND --family F --source PATH [--source ...] -- PYTEST CMD...
     fast-track stale [--model DIR]
 
@@ -65,7 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     tests.add_argument("--source", action="append", required=True, dest="sources",
                        help="repository-relative file whose behaviour the tests prove (repeat)")
     tests.add_argument("run", nargs=argparse.REMAINDER, help="-- then the pytest command")
-    stale = commands.add_parser("stale", help="list the stale evidence records and the commands that refresh them")
+    stale = commands.add_parser("stale",
+                                help="list the stale evidence records and the commands that refresh them")
     stale.add_argument("--model", help="the model folder (default: the only one discovered)")
     return parser
 
@@ -96,8 +98,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0 if review.passed else 1
         if args.command == "record-sanitizer":
             command = _after_dashes(args.run)
-            record = record_sanitizer(root, args.out.resolve(), args.sources,
-                                      args.tools or list(DEFAULT_TOOLS), command, kernel_name=args.kernel_name)
+            tools = args.tools or list(DEFAULT_TOOLS)
+            record = record_sanitizer(root, args.out.resolve(), args.sources, tools, command,
+                                      kernel_name=args.kernel_name)
             verdicts = ", ".join(f"{r['name']} {r['status']}" for r in record["results"])
             print(f"wrote {args.out}: {verdicts}")
             return 0 if all(r["status"] == "pass" for r in record["results"]) else 1

@@ -50,7 +50,8 @@ def expand_sources(root: Path, sources: list[str]) -> list[str]:
     for s in sources:
         path = root / s
         if path.is_dir():
-            found = [p.relative_to(root).as_posix() for p in path.rglob("*.py") if "__pycache__" not in p.parts]
+            found = [p.relative_to(root).as_posix() for p in path.rglob("*.py")
+                     if "__pycache__" not in p.parts]
             if not found:
                 missing.append(f"{s} (a folder with no .py file)")
             files.update(found)

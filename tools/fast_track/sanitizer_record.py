@@ -35,7 +35,8 @@ DEFAULT_TOOLS = ("racecheck", "synccheck")
 # memcheck/synccheck end with "ERROR SUMMARY: N errors"; racecheck with
 # "RACECHECK SUMMARY: H hazards displayed (N errors, W warnings)"
 _SITE = re.compile(r"access at (\S+?)\+0x")
-_SUMMARY = re.compile(r"ERROR SUMMARY:\s*(\d+)\s+error|RACECHECK SUMMARY:\s*\d+\s+hazards? displayed\s*\((\d+)\s+error")
+_SUMMARY = re.compile(r"ERROR SUMMARY:\s*(\d+)\s+error"
+                      r"|RACECHECK SUMMARY:\s*\d+\s+hazards? displayed\s*\((\d+)\s+error")
 
 
 def _filter(kernel_name: str | None) -> list[str]:
@@ -55,8 +56,8 @@ def run_tool(tool: str, command: list[str], timeout_s: int, kernel_name: str | N
             "reported_in": sites, "tail": text.strip().splitlines()[-5:]}
 
 
-def record_sanitizer(root: Path, out: Path, sources: list[str], tools: list[str],
-                     command: list[str], timeout_s: int = 3600, kernel_name: str | None = None) -> dict[str, Any]:
+def record_sanitizer(root: Path, out: Path, sources: list[str], tools: list[str], command: list[str],
+                     timeout_s: int = 3600, kernel_name: str | None = None) -> dict[str, Any]:
     if not command:
         raise ValueError("no command to run under compute-sanitizer: put it after `--`")
     if shutil.which("compute-sanitizer") is None:

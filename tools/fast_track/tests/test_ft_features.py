@@ -68,18 +68,22 @@ def test_find_test_follows_classes(repo):
 def test_record_tests_writes_each_outcome_and_the_item_reads_it(repo, monkeypatch, capsys):
     monkeypatch.chdir(repo.root)
     out = repo.root / PARITY
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{FEATURE_TEST}::test_sampling_same_on_both_paths"]
-    assert main(["record-tests", "--out", PARITY, "--family", "features", "--source", KERNEL, "--", *cmd]) == 0
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           f"{FEATURE_TEST}::test_sampling_same_on_both_paths"]
+    assert main(["record-tests", "--out", PARITY, "--family", "features", "--source", KERNEL,
+                 "--", *cmd]) == 0
     assert "1 pass, 0 fail, 0 skip" in capsys.readouterr().out
     record = json.loads(out.read_text())
     assert record["kind"] == "parity" and record["sources"] == [KERNEL]
     assert 0 < record["wall_s"] < 120  # the run's own time, which a refresh plans for
-    assert [(r["name"], r["status"]) for r in record["results"]] == [("test_sampling_same_on_both_paths", "pass")]
+    assert [(r["name"], r["status"]) for r in record["results"]] == [
+        ("test_sampling_same_on_both_paths", "pass")]
     assert _features(repo).status == PASS
     # a skipped test is not a pass, and neither the record nor the item says otherwise
     path = repo.root / FEATURE_TEST
     path.write_text("import pytest\n\n\n@pytest.mark.skip(reason='no GPU')\n" + path.read_text())
-    assert main(["record-tests", "--out", PARITY, "--family", "features", "--source", KERNEL, "--", *cmd]) == 1
+    assert main(["record-tests", "--out", PARITY, "--family", "features", "--source", KERNEL,
+                 "--", *cmd]) == 1
     record = json.loads(out.read_text())
     assert [(r["status"], r["reason"]) for r in record["results"]] == [("skip", "no GPU")]
     assert _features(repo).status == FAIL
@@ -88,7 +92,8 @@ def test_record_tests_writes_each_outcome_and_the_item_reads_it(repo, monkeypatc
                     .replace("def test_sampling_same_on_both_paths():",
                              "def test_sampling_same_on_both_paths():\n    assert 1 == 2, 'rel err 0.5'"))
     capsys.readouterr()
-    assert main(["record-tests", "--out", PARITY, "--family", "features", "--source", KERNEL, "--", *cmd]) == 1
+    assert main(["record-tests", "--out", PARITY, "--family", "features", "--source", KERNEL,
+                 "--", *cmd]) == 1
     (result,) = json.loads(out.read_text())["results"]
     assert result["status"] == "fail" and "rel err 0.5" in result["reason"]
     assert "fail test_sampling_same_on_both_paths: " in capsys.readouterr().out
@@ -105,8 +110,10 @@ def test_a_source_folder_stands_for_every_python_file_below_it(repo, monkeypatch
     folder = KERNEL.rsplit("/", 1)[0]
     repo.write(f"{folder}/nested/mul.py", "def mul(a, b):\n    return a * b\n")
     repo.write(f"{folder}/README.md", "not code\n")
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"{FEATURE_TEST}::test_sampling_same_on_both_paths"]
-    assert main(["record-tests", "--out", PARITY, "--family", "features", "--source", folder, "--", *cmd]) == 0
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+           f"{FEATURE_TEST}::test_sampling_same_on_both_paths"]
+    assert main(["record-tests", "--out", PARITY, "--family", "features", "--source", folder,
+                 "--", *cmd]) == 0
     record = json.loads((repo.root / PARITY).read_text())
     assert {KERNEL, f"{folder}/nested/mul.py"} <= set(record["sources"])
     assert all(src.startswith(folder + "/") and src.endswith(".py") for src in record["sources"])
@@ -118,5 +125,6 @@ def test_a_source_folder_stands_for_every_python_file_below_it(repo, monkeypatch
     assert "passed only in stale evidence" in _features(repo).findings[0].message
     repo.write(f"{MODEL}/empty/notes.md", "nothing to run\n")
     capsys.readouterr()
-    assert main(["record-tests", "--out", PARITY, "--family", "f", "--source", f"{MODEL}/empty", "--", *cmd]) == 2
+    assert main(["record-tests", "--out", PARITY, "--family", "f", "--source", f"{MODEL}/empty",
+                 "--", *cmd]) == 2
     assert "a folder with no .py file" in capsys.readouterr().err

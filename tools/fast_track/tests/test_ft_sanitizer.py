@@ -58,7 +58,8 @@ def test_record_sanitizer_runs_each_tool_and_the_item_accepts_the_record(repo, t
     fake.parent.mkdir()
     fake.write_text('#!/bin/sh\nshift; tool="$1"; shift 3\n"$@" || exit $?\n'
                     'if [ "$tool" = synccheck ]; then echo "========= ERROR SUMMARY: 1 error"; '
-                    'exit 1; fi\necho "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"\n')
+                    'exit 1; fi\n'
+                    'echo "========= RACECHECK SUMMARY: 0 hazards displayed (0 errors, 0 warnings)"\n')
     fake.chmod(0o755)
     monkeypatch.setenv("PATH", f"{fake.parent}:{os.environ['PATH']}")
     monkeypatch.chdir(repo.root)
@@ -91,4 +92,5 @@ def test_kernel_name_filter_reaches_compute_sanitizer_and_the_record(repo, tmp_p
     record = json.loads((repo.root / SANITIZER).read_text())
     assert record["kernels_checked"] == "names containing '_reduce_kernel'"
     assert record["results"][0]["reported_in"] == ["_reduce_kernel_0"]
-    assert record["command"].startswith("compute-sanitizer --kernel-name kns=_reduce_kernel --tool {racecheck}")
+    assert record["command"].startswith(
+        "compute-sanitizer --kernel-name kns=_reduce_kernel --tool {racecheck}")

@@ -35,6 +35,18 @@ def test_workflows_pass_actionlint():
     assert out.returncode == 0, out.stdout + out.stderr
 
 
+@pytest.mark.skipif(shutil.which("ruff") is None, reason="ruff is not installed (the [test] extra brings it)")
+def test_the_cpu_workflows_ruff_commands_pass():
+    """Every ruff command of cpu.yml, run as the workflow runs it: CI on a clean checkout fails
+    where the workflow's lint step would (it once let 16 over-long lines of tools/fast_track by)."""
+    commands = [line.strip() for script in _run_scripts("cpu.yml") for line in script.splitlines()
+                if line.strip().startswith("ruff check")]
+    assert len(commands) == 2, commands
+    for command in commands:
+        out = subprocess.run(command.split(), cwd=ROOT, capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, f"{command}:\n{out.stdout}{out.stderr}"
+
+
 def test_cpu_workflow_installs_as_the_readme_does_and_runs_every_check():
     readme = (ROOT / "README.md").read_text()
     install = re.search(r"^pip install .*$", readme, re.MULTILINE).group(0)
