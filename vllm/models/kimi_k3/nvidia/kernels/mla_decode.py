@@ -663,7 +663,10 @@ def _mla_decode_host(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cu
                      target: Int32, min_chunks: Int32, stream: cuda.CUstream, plan: Constexpr):
     _mla_decode_kernel(q_ptr, cache_ptr, table_ptr, lens_ptr, starts_ptr, out_ptr, ws_o_ptr, ws_ml_ptr, info_ptr,
                        rows, requests, num_blocks, max_blocks, slots, target, min_chunks, plan).launch(
-        grid=(slots, 1, 1), block=(plan.threads, 1, 1), stream=stream)
+        grid=(slots, 1, 1), block=(plan.threads, 1, 1), stream=stream,
+        # a plan whose CTAs fit an SM's shared memory twice asks for all of it: left to itself the
+        # driver may pick a smaller carveout that holds only one of them
+        preferred_smem_carveout=100 if plan.smem_ctas >= 2 else None)
 
 
 
