@@ -51,7 +51,6 @@ from .bench_skinny_gemm import copy_bandwidth_TBps, require_cuda, time_graph
 
 SOURCES = (
     "vllm/models/kimi_k3/nvidia/kernels/moe_experts.py",
-    "vllm/models/kimi_k3/nvidia/kernels/moe_combine.py",
     "vllm/models/kimi_k3/nvidia/kernels/moe_router.py",
     "vllm/models/kimi_k3/nvidia/benchmarks/bench_moe.py",
 )

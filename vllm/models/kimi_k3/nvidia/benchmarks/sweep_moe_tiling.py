@@ -23,12 +23,10 @@ from dataclasses import asdict
 
 import cuda.bindings.driver as cuda
 import torch
-from cutlass import BFloat16, Int32
 
 from ..kernels import moe_experts
 from ..kernels.device import facts
 from ..kernels.moe_experts import ExpertTiling
-from ..kernels.rms_norm import gmem_ptr
 from ..latency_specialized.config import PRESETS
 from ..reference.dense_mlp import activation_clips
 from .bench_moe import expert_weights, uniform_routing
@@ -75,6 +73,10 @@ def sweep_pass(tp: int, gate_up: bool, m: int, w: torch.Tensor, xs: list[torch.T
     pick = moe_experts.choose_tiling(gate_up, n_out, k, m_atoms, min(m * top_k, n_experts),
                                      facts(w.device).sm_count)
     outs = [torch.empty((m * top_k, n_out), dtype=torch.bfloat16, device="cuda") for _ in ids]
+    # the down pass also sums each row's picks into y (its fused combine); gate/up reads none of these
+    weights = [torch.rand(m, top_k, device="cuda") for _ in ids]
+    ys = [torch.empty((m, w_rows), dtype=torch.bfloat16, device="cuda") for _ in ids]
+    counters = moe_experts.tile_counters(facts(w.device), w_rows)
     reference = None
     rows = []
     for tiling in [pick] + [t for t in candidates(gate_up, n_out, k, m_atoms) if t != pick]:
@@ -87,14 +89,13 @@ def sweep_pass(tp: int, gate_up: bool, m: int, w: torch.Tensor, xs: list[torch.T
         # the stream is read at each launch: time_graph captures on its own stream, and a launch
         # on a stream fixed before it would stay out of the graph (the first run timed empty graphs)
         def launch(i: int, fn=fn) -> None:
-            fn(gmem_ptr(BFloat16, w.data_ptr()), gmem_ptr(BFloat16, xs[i].data_ptr()),
-               gmem_ptr(Int32, ids[i].data_ptr(), 4), gmem_ptr(BFloat16, outs[i].data_ptr()), m,
-               cuda.CUstream(torch.cuda.current_stream().cuda_stream))
+            fn(*moe_experts.pass_args(w, xs[i], ids[i], outs[i], weights[i], ys[i], counters, m,
+                                      cuda.CUstream(torch.cuda.current_stream().cuda_stream)))
 
-        for o in outs:  # NaN before each candidate: a row it leaves unwritten shows
+        for o in outs + ys:  # NaN before each candidate: a row it leaves unwritten shows
             o.fill_(float("nan"))
         t_us = time_graph([lambda i=i: launch(i) for i in range(len(ids))])
-        got = torch.cat([o.float() for o in outs])
+        got = torch.cat([o.float() for o in outs] + ([] if gate_up else [y.float() for y in ys]))
         if reference is None:
             reference = got.clone()
         rel = float(((got - reference).norm(dim=1) / reference.norm(dim=1).clamp_min(1e-30)).max())

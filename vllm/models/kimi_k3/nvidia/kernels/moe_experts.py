@@ -9,10 +9,11 @@ p = r·k + j of row r's j-th selected expert e = ids[r, j]:
     g, u   = bf16(x_lat[r] · W13[e]ᵀ) split into the gate and up halves   (fp32 sums)
     h[p]   = bf16(β·tanh(g/β)·σ(g) · λ·tanh(u/λ))                          (SiTU, fp32)
     o[p]   = bf16(h[p] · W2[e]ᵀ)                                            (fp32 sums)
-    y[r]   = bf16(Σ_j w[r, j] · o[r·k + j])   fp32, in selection order     (kernels/moe_combine.py)
+    y[r]   = bf16(Σ_j w[r, j] · o[r·k + j])   fp32, in selection order     (the down pass's tail)
 
 This file holds one kernel, a grouped expert GEMV launched twice (gate/up with the SiTU epilogue
-into h, then down into o), and the launcher of the whole op, which then runs the combine.
+into h, then down into o and, in the last CTA of each column tile, the weighted sum into y), and
+the launcher of the whole op.
 
 Envelope: x_lat [M, H] bf16, 1 <= M <= 64; ids [M, k] int32 and weights [M, k] fp32,
 1 <= k <= 32; w13 [E, 2·I, H] and w2 [E, H, I] bf16, each slice holding `inter` real columns
@@ -40,15 +41,25 @@ the expert's rows (warps_n) and K (warps_k), partial sums meet in shared memory.
 warp's W rows are gate rows n.. and the matching up rows I + n.. (two 16-row tiles, 16 outputs;
 or one tile, gate rows in its upper and up rows in its lower 8, 8 outputs and twice the CTAs,
 where that loads the SMs more evenly: `choose_tiling`), so a thread holds gate and up of the
-same output and applies SiTU directly. No split-K across CTAs, so no
-scratch counters; the h and o buffers are per device and shape, reused by every launch (launches
-must be stream-ordered, as the skinny GEMM's).
+same output and applies SiTU directly. No split-K across CTAs; the h and o buffers are per device
+and shape, reused by every launch (launches must be stream-ordered, as the skinny GEMM's).
+
+Combine, fused into the down pass: every CTA of a column tile (M·k of them, one per pick,
+leaders and those that exit alike) counts itself in on the tile's counter after its o rows are
+published (fence, then an acq_rel atomic); the last to arrive sums the picks of every row over
+the tile's columns (8 columns a thread, 16-byte loads), skipping padding ids and reading a
+repeated expert from its first pick's row, rounds to bf16 into y and zeroes the counter. The
+order of the sum is the selection order, so y is deterministic; the combine costs no launch of
+its own.
 
 PDL: both passes release their dependents first. The down pass is launched as a PDL dependent,
 so its CTAs group their picks and put the first W chunk in flight while the gate/up pass
 finishes, and wait (griddepcontrol.wait) before they read h. Reading the ids before that wait is
 safe because the gate/up pass is a plain launch: it starts only after the router's kernels are
-done, and the down pass cannot start before it has.
+done, and the down pass cannot start before it has. Every CTA of the down pass, leader or not,
+waits before it touches its tile's counter, so a down pass launched right after another (a
+sweep's graph) never counts on counters the other has not yet zeroed, and the grid ends after
+the gate/up pass even when every pick is padding.
 """
 
 from __future__ import annotations
@@ -62,7 +73,6 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, const_expr
 
-from . import moe_combine
 from .device import DeviceFacts, facts
 from .rms_norm import gmem_ptr
 from .skinny_gemm import mma_registers, mma_step
@@ -281,9 +291,47 @@ def _expert_rows_gemv(w_vec: cute.Tensor, x_vec: cute.Tensor, src_row: cute.Tens
                     red[wk, 8 * j + 2 * c + v0, block_column(row_tiles, wn, r, v1, g)] = acc[(v0, v1), r, j]
 
 
+@cute.jit
+def _combine_tile(o: cute.Tensor, ids: cute.Tensor, route_w: cute.Tensor, y_ptr: cute.Pointer, m: Int32,
+                  tile: Int32, tid: Int32, n_experts: Constexpr, top_k: Constexpr, h: Constexpr,
+                  block_out: Constexpr, threads: Constexpr):
+    """y[r, cols] = bf16(Σ_j w[r, j] · fp32(o[r·k + j, cols])) for every row r < m over this tile's
+    columns, fp32 in selection order; a pick whose id is outside [0, E) is skipped (its o row was
+    never written), and an expert repeated within a row reads the row of its first pick, where
+    its output was computed once. A thread takes 8 columns of one row (16-byte loads)."""
+    o_vec = cute.zipped_divide(o, (1, 8))
+    y_vec = cute.zipped_divide(cute.make_tensor(y_ptr, cute.make_layout((m, h), stride=(h, 1))), (1, 8))
+    vecs = block_out // 8
+    for idx in cutlass.range(tid, m * vecs, threads):
+        row = idx // vecs
+        vec = tile * vecs + idx % vecs
+        acc = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+        acc.fill(0.0)
+        vals = cute.make_rmem_tensor(cute.make_layout(8), BFloat16)
+        row_ids = cute.make_rmem_tensor(cute.make_layout(top_k), Int32)
+        for j in cutlass.range_constexpr(top_k):
+            row_ids[j] = ids[row * top_k + j]
+        for j in cutlass.range_constexpr(top_k):
+            expert = row_ids[j]
+            if expert >= 0:
+                if expert < n_experts:
+                    weight = route_w[row * top_k + j]
+                    first = Int32(j)
+                    for q in cutlass.range_constexpr(j - 1, -1, -1):
+                        if row_ids[q] == expert:
+                            first = Int32(q)
+                    cute.autovec_copy(o_vec[(0, None), (row * top_k + first, vec)], vals)
+                    for i in cutlass.range_constexpr(8):
+                        acc[i] = acc[i] + weight * vals[i].to(Float32)
+        res = cute.make_rmem_tensor(cute.make_layout(8), BFloat16)
+        res.store(acc.load().to(BFloat16))
+        cute.autovec_copy(res, y_vec[(0, None), (row, vec)])
+
+
 @cute.kernel
 def _expert_gemv_kernel(
     w_ptr: cute.Pointer, x_ptr: cute.Pointer, ids_ptr: cute.Pointer, out_ptr: cute.Pointer,
+    route_w_ptr: cute.Pointer, y_ptr: cute.Pointer, cnt_ptr: cute.Pointer,
     m: Int32, n_experts: Constexpr, top_k: Constexpr, n_out: Constexpr, k: Constexpr, w_rows: Constexpr,
     ld: Constexpr, gate_up: Constexpr, beta: Constexpr, linear_beta: Constexpr, m_atoms: Constexpr,
     row_tiles: Constexpr, chunk_atoms: Constexpr, x_atoms: Constexpr,
@@ -309,6 +357,7 @@ def _expert_gemv_kernel(
     src_row = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), byte_alignment=16)
     dst_pick = smem.allocate_tensor(Int32, cute.make_layout(MAX_ROWS), byte_alignment=16)
     ballots = smem.allocate_tensor(Int32, cute.make_layout(2), byte_alignment=16)  # rows 0-31, 32-63
+    is_last = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=4)
     pitch = block_w + 4  # spreads a warp's stores over the banks
     red = smem.allocate_tensor(
         Float32, cute.make_layout((warps_k, 8 * m_atoms, block_w), stride=(8 * m_atoms * pitch, pitch, 1)),
@@ -392,6 +441,30 @@ def _expert_gemv_kernel(
                     total += red[q, slot, col]
                 out[dst_pick[slot], tile * block_out + col] = total.to(BFloat16)
 
+    if const_expr(not gate_up):
+        # every CTA of a column tile (one per pick, leader or not) counts itself in once its o rows
+        # are published (only a leader wrote any); the last one sums the picks into y for the
+        # tile's columns, in selection order, so the result is deterministic and the combine needs
+        # no launch of its own. Non-leaders wait for the previous grid too (leaders did): when that
+        # grid is a down pass itself (launches back to back, as a sweep captures them), it may
+        # still be counting on these counters and has not yet zeroed them
+        cute.arch.griddepcontrol_wait()
+        if leader == 1:
+            cute.arch.fence_acq_rel_gpu()
+        cute.arch.sync_threads()
+        counter = cnt_ptr + tile
+        if tid == 0:
+            arrived = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
+            is_last[0] = Int32(1) if arrived == m * top_k - 1 else Int32(0)
+        cute.arch.sync_threads()
+        if is_last[0] == 1:
+            cute.arch.fence_acq_rel_gpu()
+            o = cute.make_tensor(out_ptr, cute.make_layout((m * top_k, n_out), stride=(n_out, 1)))
+            _combine_tile(o, ids, cute.make_tensor(route_w_ptr, cute.make_layout(m * top_k)), y_ptr, m, tile, tid,
+                          n_experts, top_k, n_out, block_out, threads)
+            if tid == 0:
+                cute.arch.atomic_exch(counter, Int32(0), sem="relaxed", scope="gpu")
+
 
 def register_cap(gate_up: bool, m_atoms: int, warps: int) -> int:
     """CTAs an SM that a pass's launch caps its registers for (0: no cap).
@@ -411,7 +484,7 @@ def register_cap(gate_up: bool, m_atoms: int, warps: int) -> int:
 @cute.jit
 def _expert_gemv_host(
     w_ptr: cute.Pointer, x_ptr: cute.Pointer, ids_ptr: cute.Pointer, out_ptr: cute.Pointer,
-    m: Int32, stream: cuda.CUstream,
+    route_w_ptr: cute.Pointer, y_ptr: cute.Pointer, cnt_ptr: cute.Pointer, m: Int32, stream: cuda.CUstream,
     n_experts: Constexpr, top_k: Constexpr, n_out: Constexpr, k: Constexpr, w_rows: Constexpr, ld: Constexpr,
     gate_up: Constexpr, beta: Constexpr, linear_beta: Constexpr, m_atoms: Constexpr,
     row_tiles: Constexpr, chunk_atoms: Constexpr, x_atoms: Constexpr,
@@ -420,7 +493,7 @@ def _expert_gemv_host(
     block_out = ExpertTiling(row_tiles, chunk_atoms, x_atoms, warps_n, warps_k).block_out(gate_up)
     cap = register_cap(gate_up, m_atoms, warps_n * warps_k)
     _expert_gemv_kernel(
-        w_ptr, x_ptr, ids_ptr, out_ptr, m, n_experts, top_k, n_out, k, w_rows, ld, gate_up, beta, linear_beta,
+        w_ptr, x_ptr, ids_ptr, out_ptr, route_w_ptr, y_ptr, cnt_ptr, m, n_experts, top_k, n_out, k, w_rows, ld, gate_up, beta, linear_beta,
         m_atoms, row_tiles, chunk_atoms, x_atoms, warps_n, warps_k,
     ).launch(
         grid=(m * top_k, n_out // block_out, 1),
@@ -450,6 +523,7 @@ def compile_expert_gemv(gate_up: bool, n_experts: int, top_k: int, n_out: int, k
     return cute.compile(
         _expert_gemv_host,
         gmem_ptr(BFloat16, 16), gmem_ptr(BFloat16, 16), gmem_ptr(Int32, 16, 4), gmem_ptr(BFloat16, 16),
+        gmem_ptr(Float32, 16, 4), gmem_ptr(BFloat16, 16), gmem_ptr(Int32, 16, 4),
         Int32(1), cute.runtime.make_fake_stream(),
         n_experts, top_k, n_out, k, w_rows, ld, gate_up, beta, linear_beta, m_atoms,
         tiling.row_tiles, tiling.chunk_atoms, tiling.x_atoms, tiling.warps_n, tiling.warps_k,
@@ -521,9 +595,15 @@ def buffers(dev: DeviceFacts, top_k: int, inter: int, h: int) -> tuple[torch.Ten
 _COMPILED: dict[tuple, Any] = {}
 
 
+def tile_counters(dev: DeviceFacts, h: int) -> torch.Tensor:
+    """The down pass's arrival counter per column tile (at most H/16 tiles), zeroed once; the
+    last CTA of a tile zeroes its counter again."""
+    return dev.scratch(("moe_experts_tiles", h), lambda d: (torch.zeros(h // 16, dtype=torch.int32, device=d),))[0]
+
+
 def _gemv(dev: DeviceFacts, gate_up: bool, w: torch.Tensor, x: torch.Tensor, ids: torch.Tensor,
-          out: torch.Tensor, m: int, n_out: int, k: int, beta: float | None, linear_beta: float | None,
-          stream: cuda.CUstream) -> None:
+          out: torch.Tensor, weights: torch.Tensor, y: torch.Tensor, counters: torch.Tensor, m: int, n_out: int,
+          k: int, beta: float | None, linear_beta: float | None, stream: cuda.CUstream) -> None:
     n_experts, w_rows, ld = w.shape
     top_k = ids.shape[1]
     m_atoms = -(-m // 8)
@@ -533,8 +613,16 @@ def _gemv(dev: DeviceFacts, gate_up: bool, w: torch.Tensor, x: torch.Tensor, ids
     if fn is None:
         fn = _COMPILED[key] = compile_expert_gemv(gate_up, n_experts, top_k, n_out, k, m_atoms,
                                                   beta, linear_beta, tiling, dev.arch, w_rows=w_rows, ld=ld)
-    fn(gmem_ptr(BFloat16, w.data_ptr()), gmem_ptr(BFloat16, x.data_ptr()), gmem_ptr(Int32, ids.data_ptr(), 4),
-       gmem_ptr(BFloat16, out.data_ptr()), m, stream)
+    fn(*pass_args(w, x, ids, out, weights, y, counters, m, stream))
+
+
+def pass_args(w: torch.Tensor, x: torch.Tensor, ids: torch.Tensor, out: torch.Tensor, weights: torch.Tensor,
+              y: torch.Tensor, counters: torch.Tensor, m: int, stream: cuda.CUstream) -> tuple:
+    """The arguments of a compiled pass (`compile_expert_gemv`), in its order: every caller of a
+    compiled pass builds them here."""
+    return (gmem_ptr(BFloat16, w.data_ptr()), gmem_ptr(BFloat16, x.data_ptr()), gmem_ptr(Int32, ids.data_ptr(), 4),
+            gmem_ptr(BFloat16, out.data_ptr()), gmem_ptr(Float32, weights.data_ptr(), 4),
+            gmem_ptr(BFloat16, y.data_ptr()), gmem_ptr(Int32, counters.data_ptr(), 4), m, stream)
 
 
 def launch(x_lat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: torch.Tensor,
@@ -546,9 +634,9 @@ def launch(x_lat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: t
     inter: the real intermediate columns of each expert slice (default: all of w2's I). Slices
     zero-padded beyond it (vLLM pads TP16's 192 to 256) are read only up to `read_width(inter)`,
     so the padding costs no bytes. beta / linear_beta are SiTU's β and λ (None: no clip; both
-    None is SiLU-and-mul), as `reference/dense_mlp.py::activation_clips` gives them. Three
-    launches on `stream` (default: the current stream): gate/up, down, combine. The first call
-    of a shape compiles (seconds).
+    None is SiLU-and-mul), as `reference/dense_mlp.py::activation_clips` gives them. Two
+    launches on `stream` (default: the current stream): gate/up, then down with the combine in
+    its tail. The first call of a shape compiles (seconds).
     """
     check_envelope(x_lat, ids, weights, w13, w2, out, inter)
     m, h = x_lat.shape
@@ -560,7 +648,8 @@ def launch(x_lat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w13: t
         out = torch.empty((m, h), dtype=torch.bfloat16, device=x_lat.device)
     torch_stream = torch.cuda.current_stream(x_lat.device) if stream is None else stream
     cu_stream = cuda.CUstream(torch_stream.cuda_stream)
-    _gemv(dev, True, w13, x_lat, ids, hidden, m, inter, h, beta, linear_beta, cu_stream)
-    _gemv(dev, False, w2, hidden, ids, expert_out, m, h, inter, None, None, cu_stream)
-    moe_combine.launch(expert_out, ids, weights, w13.shape[0], out, stream=torch_stream)
+    counters = tile_counters(dev, h)
+    # gate/up has no combine: the weights, y and counters it is passed are not read
+    _gemv(dev, True, w13, x_lat, ids, hidden, weights, out, counters, m, inter, h, beta, linear_beta, cu_stream)
+    _gemv(dev, False, w2, hidden, ids, expert_out, weights, out, counters, m, h, inter, None, None, cu_stream)
     return out

@@ -295,8 +295,7 @@ class KernelOps(DecodeOps):
     def routed_experts(self, x_lat: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, w: MoEWeights,
                        cfg: K3TextConfig, shard: ShardShapes) -> torch.Tensor:
         self._rec("moe_expert_gemv")  # gate/up + SiTU
-        self._rec("moe_expert_gemv")  # down
-        self._rec("moe_combine")
+        self._rec("moe_expert_gemv")  # down, with the weighted sum over the picks in its tail
         beta, linear_beta = ref_moe.activation_clips(cfg)
         # the real columns only: TP16's slices are padded to 256 (moe_inter) around 192 real ones
         return self.k_experts.launch(x_lat, ids, weights, w.w13, w.w2, inter=shard.moe_inter_real, beta=beta,

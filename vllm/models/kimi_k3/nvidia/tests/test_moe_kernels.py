@@ -1,17 +1,19 @@
-"""MoE kernels against reference/moe.py: the routed experts (kernels/moe_experts.py +
-kernels/moe_combine.py) against `_routed_latent`, the router epilogue (kernels/moe_router.py)
-against `route`.
+"""MoE kernels against reference/moe.py: the routed experts (kernels/moe_experts.py, the
+weighted sum over the picks in the down pass's tail) against `_routed_latent`, the router
+epilogue (kernels/moe_router.py) against `route`.
 
 CPU: envelope errors (raised before any CUDA use), the tiling of every K3 per-rank shape at
 every row bucket, and compile checks for sm_90a, sm_100a and sm_103a whose PTX must show the
-design (mma.sync m16n8k16, 16-byte global loads, no local memory, a 64-bit expert offset).
+design (mma.sync m16n8k16, 16-byte global loads, no local memory, a 64-bit expert offset; the
+down pass's tile counter and the combine's 16-byte o loads and y stores, none in gate/up).
 GPU (marker `gpu`): TP1/8/16 per-rank shapes, M in {1, 2, 3, 8, 16, 33, 64}, four
 router distributions (uniform, skewed, every row the same experts, padding rows/slots, an
 expert repeated within a row, which the router never emits but the kernels define), four
 input distributions, NaN-poisoned output and NaN-poisoned internal buffers (every value used
 must have been written), NaN planted in every expert no row selected (an unselected expert
 must not contribute) and, at TP16, in the 64 padding columns of every 256-wide expert slice
-(the kernels read the 192 real ones only), per-row ‖out − ref‖/‖ref‖ under a bound, repeat launches bit-identical,
+(the kernels read the 192 real ones only), per-row ‖out − ref‖/‖ref‖ under a bound, repeat launches bit-identical
+(the combine's tile counters reset),
 CUDA-graph capture and replay. Router (GPU): ids equal to the reference's and weights within
 fp32 rounding on normal logits, planted ties (quantized logits and bias), NaN and −inf logits,
 rows with fewer finite keys than k. With K3_EVIDENCE_DIR set the GPU results are written there
@@ -29,7 +31,7 @@ import torch
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install nvidia-cutlass-dsl==4.8.1)")
 
-from vllm.models.kimi_k3.nvidia.kernels import moe_combine, moe_experts, moe_router  # noqa: E402
+from vllm.models.kimi_k3.nvidia.kernels import moe_experts, moe_router  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.cubin_resources import kernel_resources  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.device import facts  # noqa: E402
 from vllm.models.kimi_k3.nvidia.latency_specialized.config import PRESETS  # noqa: E402
@@ -52,7 +54,6 @@ ROUTINGS = ("uniform", "skewed", "same_experts", "padding", "repeated_ids")
 # land one ulp apart when the fp32 sums are ordered differently
 REL_ERR_BOUND = 1e-2
 SOURCES = ("vllm/models/kimi_k3/nvidia/kernels/moe_experts.py",
-           "vllm/models/kimi_k3/nvidia/kernels/moe_combine.py",
            "vllm/models/kimi_k3/nvidia/kernels/moe_router.py",
            "vllm/models/kimi_k3/nvidia/tests/test_moe_kernels.py")
 
@@ -171,16 +172,6 @@ def test_envelope_errors(case, match):
         moe_experts.launch(out=out, **a)
 
 
-def test_combine_envelope_errors():
-    o = torch.randn(8, 128).to(torch.bfloat16)
-    ids = torch.randint(0, 4, (2, 4), dtype=torch.int32)
-    w = torch.rand(2, 4)
-    with pytest.raises(moe_combine.MoECombineEnvelopeError, match=re.escape("needs at least M·k = 8")):
-        moe_combine.launch(o[:7], ids, w, 4, torch.empty(2, 128, dtype=torch.bfloat16))
-    with pytest.raises(moe_combine.MoECombineEnvelopeError, match="CUDA tensors"):
-        moe_combine.launch(o, ids, w, 4, torch.empty(2, 128, dtype=torch.bfloat16))
-
-
 @pytest.mark.parametrize("tp", sorted(TP_SHAPES))
 def test_tiling_covers_every_per_rank_shape(tp):
     """CTAs tile each expert's output exactly, chunks tile K, every warp layout is launchable."""
@@ -297,7 +288,12 @@ def test_expert_gemv_compiles_for_arch(arch, which, inter, i_pad, m_atoms, exper
         assert "ex2" in ptx  # σ(g) of the SiTU epilogue
         # a plain launch: it reads the router's ids at once, so it must not start early
         assert "griddepcontrol.wait" not in ptx
+        assert "atom." not in ptx and "st.global.v4" not in ptx  # no combine in gate/up
     else:
+        # the combine in the tail: each CTA counts itself in on its tile (acq_rel, after a fence),
+        # the last zeroes the counter; 16-byte o loads and y stores
+        assert "atom.global.acq_rel.add" in ptx and "atom.global.exch" in ptx, "the tile counter"
+        assert "fence.acq_rel.gpu" in ptx and "st.global.v4" in ptx
         # PDL: the first W chunk in flight before the wait on the gate/up pass, no h read (MMA) before it
         order = [ptx.index(op) for op in ("griddepcontrol.launch_dependents", "ld.global.v4", "griddepcontrol.wait",
                                           "mma.sync")]
@@ -325,14 +321,6 @@ def test_expert_gemv_residency(tp, tmp_path):
                 assert used.frame_bytes == 0, (tp, gate_up, m_atoms, used)
     # TP8's down pass has 8 warps (4 along its K of 384), TP16's 6 (its K of 192 has 3 chunks)
     assert capped == ([] if tp == 16 else [3, 4, 5, 6, 7, 8]), capped
-
-
-@pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
-def test_combine_compiles_for_arch(arch, tmp_path):
-    ptx = moe_combine.compile_combine(K3.num_experts, TOP_K, H_LAT, arch, ptx_dir=str(tmp_path)).artifacts.PTX
-    assert f".target {arch}" in ptx
-    assert "ld.global.v4" in ptx and "st.global.v4" in ptx
-    assert not re.search(r"\b(ld|st)\.local", ptx)
 
 
 # ---------------------------------------------------------------- GPU checks

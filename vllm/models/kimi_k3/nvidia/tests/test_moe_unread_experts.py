@@ -32,7 +32,6 @@ from vllm.models.kimi_k3.nvidia.tests._evidence import record_kernel_test  # noq
 H = 4096
 REL_ERR_BOUND = 1e-2  # as tests/test_moe_kernels.py: bf16 output and intermediate roundings
 SOURCES = ("vllm/models/kimi_k3/nvidia/kernels/moe_experts.py",
-           "vllm/models/kimi_k3/nvidia/kernels/moe_combine.py",
            "vllm/models/kimi_k3/nvidia/tests/test_moe_unread_experts.py")
 # (rows, experts, top-k, I, routing): few selected (M = 1, skewed) to most (M = 64 uniform picks
 # ~63% of 256 experts), and K3's top-16

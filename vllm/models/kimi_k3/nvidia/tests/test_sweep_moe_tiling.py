@@ -1,12 +1,18 @@
 """benchmarks/sweep_moe_tiling.py on the CPU: its candidates are launchable tilings that include
-`choose_tiling`'s pick at every K3 per-rank shape and row bucket, and a candidate the pick is
-not compiles for sm_90a (the sweep itself needs the GPU)."""
+`choose_tiling`'s pick at every K3 per-rank shape and row bucket, a candidate the pick is not
+compiles for sm_90a, and the sweep calls a compiled pass with what it takes (the sweep itself
+needs the GPU)."""
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
+import torch
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install nvidia-cutlass-dsl==4.8.1)")
+
+import cuda.bindings.driver as cuda  # noqa: E402
 
 from vllm.models.kimi_k3.nvidia.benchmarks.sweep_moe_tiling import candidates  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels import moe_experts  # noqa: E402
@@ -39,3 +45,15 @@ def test_a_candidate_other_than_the_pick_compiles(tmp_path):
     ptx = moe_experts.compile_expert_gemv(True, K3.num_experts, K3.num_experts_per_token, inter, H, 1, 4.0, 25.0,
                                           other, "sm_90a", ptx_dir=str(tmp_path)).artifacts.PTX
     assert "mma.sync.aligned.m16n8k16" in ptx
+
+
+def test_pass_args_match_the_compiled_pass():
+    """The launcher and the sweep both build a compiled pass's arguments with `pass_args`; these
+    must be the host function's runtime parameters, one each, in number (the sweep once called
+    the pass with the arguments it took before the combine moved into the down pass)."""
+    runtime = [p for p in inspect.signature(moe_experts._expert_gemv_host).parameters.values()
+               if p.annotation != "Constexpr"]
+    t = torch.zeros(8, dtype=torch.int32)
+    args = moe_experts.pass_args(t, t, t, t, t, t, t, 1, cuda.CUstream(0))
+    assert len(args) == len(runtime) == 9, [p.name for p in runtime]
+    assert [p.name for p in runtime][-2:] == ["m", "stream"]
