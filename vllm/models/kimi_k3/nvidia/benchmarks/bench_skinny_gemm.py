@@ -25,12 +25,15 @@ from typing import Callable
 import torch
 
 from ..kernels import skinny_gemm
+from ..kernels.device import facts
 from ..kernels.shapes import GemmShape, k3_gemm_shapes
 from ..latency_specialized.evidence import write_record
 from ..reference.ops import linear
 
 SOURCES = (
     "vllm/models/kimi_k3/nvidia/kernels/skinny_gemm.py",
+    "vllm/models/kimi_k3/nvidia/kernels/skinny_gemm_wgmma.py",
+    "vllm/models/kimi_k3/nvidia/kernels/gemm_store.py",
     "vllm/models/kimi_k3/nvidia/kernels/shapes.py",
     "vllm/models/kimi_k3/nvidia/benchmarks/bench_skinny_gemm.py",
 )
@@ -117,8 +120,14 @@ class ShapeInputs:
         return self.ws[i % len(self.ws)]
 
 
-def bench_case(inp: ShapeInputs, m: int, copy_bw: float, tiling: skinny_gemm.Tiling | None = None,
-               baseline: bool = True) -> dict:
+def describe(tiling: skinny_gemm.Tiling | skinny_gemm.WgmmaTiling) -> dict:
+    """A tiling as JSON, with the kernel it selects."""
+    return {"kernel": "wgmma" if isinstance(tiling, skinny_gemm.WgmmaTiling) else "warp",
+            **dataclasses.asdict(tiling)}
+
+
+def bench_case(inp: ShapeInputs, m: int, copy_bw: float,
+               tiling: skinny_gemm.Tiling | skinny_gemm.WgmmaTiling | None = None, baseline: bool = True) -> dict:
     """Time ours (and cuBLAS) on one shape and M; check ours against the fp32 reference."""
     shape = inp.shape
     x = torch.randn(m, shape.k, device="cuda", dtype=torch.bfloat16, generator=inp.gen)
@@ -131,7 +140,7 @@ def bench_case(inp: ShapeInputs, m: int, copy_bw: float, tiling: skinny_gemm.Til
         for i in range(inp.n_launch)])
     nbytes = shape.weight_bytes + x.numel() * 2 + out.numel() * out.element_size()
     floor_us = nbytes / (copy_bw * 1e12) * 1e6
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    dev = facts(x.device)
     res = {
         "name": f"{shape.name} M={m}",
         "shape": {"n": shape.n, "k": shape.k, "m": m, "out_dtype": str(shape.out_dtype).removeprefix("torch.")},
@@ -141,7 +150,7 @@ def bench_case(inp: ShapeInputs, m: int, copy_bw: float, tiling: skinny_gemm.Til
         "floor_us": floor_us,
         "TBps": nbytes / (ours * 1e-6) / 1e12,
         "frac_of_copy_bw": floor_us / ours,
-        "tiling": dataclasses.asdict(tiling or skinny_gemm.choose_tiling(shape.n, shape.k, -(-m // 8), sm_count)),
+        "tiling": describe(tiling or skinny_gemm.pick_tiling(dev.arch, shape.n, shape.k, -(-m // 8), dev.sm_count)),
     }
     if baseline:
         res["baseline_us"] = {"cublas": time_graph([_cublas(x, inp.weight(i), out) for i in range(inp.n_launch)])}

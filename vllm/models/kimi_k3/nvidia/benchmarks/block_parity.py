@@ -29,7 +29,7 @@ FULL_LAYERS = 93
 # folder, so that a kernel file added or folded into another is never missed), the weights'
 # layout, the reference the standard path runs, and this file
 PARITY_SOURCES = (*(f"vllm/models/kimi_k3/nvidia/latency_specialized/{f}.py" for f in (
-                      "executor", "decode_ops", "torch_ops", "config", "weights", "moe_padding")),
+                      "executor", "lanes", "decode_ops", "torch_ops", "config", "weights", "moe_padding")),
                   "vllm/models/kimi_k3/nvidia/benchmarks/block_parity.py",
                   *(f"vllm/models/kimi_k3/nvidia/kernels/{p.name}"
                     for p in sorted((Path(__file__).resolve().parents[1] / "kernels").glob("*.py"))),

@@ -15,9 +15,10 @@ In one process, per (TP, rows, tokens per request q, context):
 
 | path | what runs |
 | --- | --- |
-| specialized | `SpecializedDecode` with `KernelOps`: the CUDA-graph replay of the bucket's CuTe DSL kernels |
+| specialized | `SpecializedDecode` with `KernelOps`: the CUDA-graph replay of the bucket's CuTe DSL kernels, independent ops of a layer on side lanes (`lanes.py`) |
+| specialized, one stream (`--one-stream`) | the same kernels in graphs without lanes (`overlap=False`), to measure what the lanes gain |
 | standard eager | `ReferenceModel.forward` + LM head on CUDA (cuBLAS GEMMs, torch ops, per-request loops) |
-| standard graphed | `SpecializedDecode` with `TorchOps`: plain PyTorch on cuBLAS, captured in the same kind of CUDA graph (the strongest standard baseline built here) |
+| standard graphed | `SpecializedDecode` with `TorchOps`: plain PyTorch on cuBLAS, captured in the same kind of CUDA graph, lanes included (the strongest standard baseline built here) |
 
 Times are medians of CUDA-event-timed steps after warm-up (the eager standard step's: of the
 parity run's own eager steps, each between two device syncs, the first left out); the floor is the bytes the step must
@@ -56,7 +57,7 @@ SOURCES = (*PARITY_SOURCES, *(f"vllm/models/kimi_k3/nvidia/benchmarks/{f}.py" fo
     "decode_latency", "bench_moe", "bench_skinny_gemm")))
 # parity steps beyond the first that time the eager standard step in place of a timing run of its own
 EAGER_TIMED_STEPS_MIN = 5
-CACHE_BUDGET = 40e9  # bytes of MLA cache the four states of one context may hold
+CACHE_BUDGET = 40e9  # bytes of MLA cache the states of one context may hold together
 
 
 def _rollback(state, slots: list[int], q: int) -> None:
@@ -206,6 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--parity-steps", type=int, default=16,
                     help=f"steps of the parity run at each point, raised to {PARITY_MIN_TOKENS} tokens where a step has fewer")
     ap.add_argument("--no-graphed-standard", action="store_true", help="skip the TorchOps graphed baseline")
+    ap.add_argument("--one-stream", action="store_true",
+                    help="also time the specialized graphs without side lanes (overlap=False; baseline "
+                         "'specialized_one_stream'), to measure what the lanes gain")
     ap.add_argument("--quick", action="store_true", help="TP16 rows 1, 2, 8 (q 1) and one q 8 request, ctx 4K")
     args = ap.parse_args(argv)
     require_cuda(ap)
@@ -224,9 +228,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[decode_latency] TP{tp} block built in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         n_mla = len(model.cfg.full_attn_layers)
         for ctx in args.contexts:
-            # four states (specialized, graphed standard, yardstick, eager standard) hold the MLA cache each
+            # four states (specialized, graphed standard, yardstick, eager standard) hold the MLA cache
+            # each, five with the one-stream executor
+            states = 5 if args.one_stream else 4
             keys = sorted({(r, q) for r in args.rows for q in args.q if r % q == 0
-                           and 4 * (r // q) * (ctx + 8) * 576 * 2 * n_mla <= CACHE_BUDGET})
+                           and states * (r // q) * (ctx + 8) * 576 * 2 * n_mla <= CACHE_BUDGET})
             skipped = sorted({(r, q) for r in args.rows for q in args.q if r % q == 0} - set(keys))
             if skipped:
                 print(f"[decode_latency] ctx {ctx}: skipping (rows, q) {skipped}: their caches exceed "
@@ -260,6 +266,9 @@ def run_context(model: ReferenceModel, tp: int, keys: list[tuple[int, int]], ctx
     if bad:
         raise RuntimeError(f"ops outside the kernel table in the specialized graphs: {bad}")
     notes = []
+    if args.one_stream:
+        executors["specialized_one_stream"] = SpecializedDecode(model, max_requests=max_req, max_len=max_len,
+                                                                buckets=keys, ops=KernelOps(), overlap=False)
     if not args.no_graphed_standard:
         try:  # a broken baseline must not cost the specialized figures: say so and go on without it
             executors["standard_graphed"] = SpecializedDecode(model, max_requests=max_req, max_len=max_len,
@@ -277,7 +286,9 @@ def run_context(model: ReferenceModel, tp: int, keys: list[tuple[int, int]], ctx
                            gen, untimed):
             results.append(r)
             g = r["baseline_us"].get("standard_graphed")
-            print(f"TP{tp:<3} rows {rows:>3} q {q} ctx {ctx:>6}: spec {r['time_us']:9.1f} us  eager "
+            one = r["baseline_us"].get("specialized_one_stream")
+            print(f"TP{tp:<3} rows {rows:>3} q {q} ctx {ctx:>6}: spec {r['time_us']:9.1f} us  "
+                  f"{'' if one is None else f'one stream {one:9.1f}  '}eager "
                   f"{r['baseline_us']['standard_eager']:9.1f}  graphed {g if g is None else round(g, 1)}  "
                   f"floor {r['floor_us']:8.1f} ({r['x_floor']:.2f}x)  parity "
                   f"{r['parity']['specialized']['rel_err_median']:.1e} {r['status']}", file=sys.stderr, flush=True)

@@ -1,7 +1,9 @@
 """Tiling sweep of the skinny GEMM (kernels/skinny_gemm.py) on the GPU, shape by shape.
 
-`choose_tiling` picks by class of shape; its M <= 16 rules come from this sweep's run of
-2026-12-04 (kernels/README.md), its M > 16 rules from sweeps of 2026-12-03. This times the
+`pick_tiling` picks the kernel and `choose_tiling` the warp kernel's tiling by class of shape;
+its M <= 16 rules come from this sweep's run of 2026-12-04 (kernels/README.md), its M > 16 rules
+from sweeps of 2026-12-03 (beyond 16 rows sm_90a takes the wgmma kernel, whose tiling
+`choose_wgmma_tiling` has not been measured yet). This times the
 launchable tilings of each K3 per-rank shape beside the pick, so that the heuristic can follow
 measurements:
 
@@ -9,7 +11,8 @@ measurements:
 
 Two stages per (shape, M), since the split count mostly trades against the CTA shape: first
 every CTA shape (row tiles, chunk width, warps along N and K) at the split count that fills the
-resident CTAs, then the best few of those at every other split count worth a try. Each candidate
+resident CTAs, then the best few of those at every other split count worth a try. On sm_90a, from
+9 rows on, the TMA + wgmma kernel's candidates (`wgmma_variants`) are timed too. Each candidate
 runs through `bench_skinny_gemm.bench_case` (cold L2, CUDA graph of back-to-back launches, NaN-
 filled output checked against the fp32 reference), so its time is comparable with the bench
 record. A tuning tool, not evidence: it writes no record. `--budget-s` stops early and says what
@@ -20,12 +23,14 @@ from __future__ import annotations
 
 import argparse
 import time
-from dataclasses import asdict, replace
+from dataclasses import replace
 
 import torch
 
-from ..kernels.skinny_gemm import MAX_ROWS, Tiling, choose_tiling
-from .bench_skinny_gemm import ShapeInputs, bench_case, copy_bandwidth_TBps, require_cuda, unique_shapes
+from ..kernels.device import facts
+from ..kernels.skinny_gemm import MAX_ROWS, WGMMA_ARCHS, Tiling, WgmmaTiling, pick_tiling
+from ..kernels.skinny_gemm_wgmma import TILE_K, stages_for
+from .bench_skinny_gemm import ShapeInputs, bench_case, copy_bandwidth_TBps, describe, require_cuda, unique_shapes
 from .sweeps import finish
 
 REGS_PER_SM = 65536
@@ -70,25 +75,46 @@ def split_variants(t: Tiling, n: int, k: int, m_atoms: int, sm_count: int) -> li
     return [v for v in (replace(t, splits=s) for s in sorted(counts)) if v != t and fits(v, k, m_atoms)]
 
 
-def sweep_case(inp: ShapeInputs, m: int, copy_bw: float, sm_count: int, deadline: float) -> dict:
-    shape, m_atoms = inp.shape, -(-m // 8)
-    pick = choose_tiling(shape.n, shape.k, m_atoms, sm_count)
-    rows: dict[Tiling, dict] = {}
+def wgmma_variants(n: int, k: int, m_atoms: int, sm_count: int) -> list[WgmmaTiling]:
+    """The TMA + wgmma kernel's candidates: 64- and 128-row CTAs, each with the stages that fit
+    two CTAs an SM, unsplit and at the split counts filling 1, 2 and 4 CTAs an SM (at least two K
+    tiles a split, none empty)."""
+    k_tiles = -(-k // TILE_K)
+    out: list[WgmmaTiling] = []
+    for block_w in (64, 128):
+        tiles_n = -(-n // block_w)
+        for per_sm in (0, 1, 2, 4):
+            want = 1 if per_sm == 0 else max(1, min(per_sm * sm_count // tiles_n, k_tiles // 2))
+            per_split = -(-k_tiles // want)
+            t = WgmmaTiling(block_w, stages_for(block_w, m_atoms), -(-k_tiles // per_split))
+            if t not in out:
+                out.append(t)
+    return out
 
-    def run(t: Tiling) -> None:
+
+def sweep_case(inp: ShapeInputs, m: int, copy_bw: float, arch: str, sm_count: int, deadline: float) -> dict:
+    shape, m_atoms = inp.shape, -(-m // 8)
+    pick = pick_tiling(arch, shape.n, shape.k, m_atoms, sm_count)
+    rows: dict[Tiling | WgmmaTiling, dict] = {}
+
+    def run(t: Tiling | WgmmaTiling) -> None:
         if t in rows:
             return
         if time.monotonic() > deadline:
-            rows[t] = {"tiling": asdict(t), "skipped": "budget"}
+            rows[t] = {"tiling": describe(t), "skipped": "budget"}
             return
         r = bench_case(inp, m, copy_bw, tiling=t, baseline=False)
-        rows[t] = {"tiling": asdict(t), "time_us": r["time_us"], "frac_of_copy_bw": r["frac_of_copy_bw"],
+        rows[t] = {"tiling": describe(t), "time_us": r["time_us"], "frac_of_copy_bw": r["frac_of_copy_bw"],
                    "rel_err": r["rel_err"], "ok": r["status"] == "pass"}
 
     run(pick)
+    if arch in WGMMA_ARCHS and m_atoms > 1:
+        for t in wgmma_variants(shape.n, shape.k, m_atoms, sm_count):
+            run(t)
     for t in cta_shapes(shape.n, shape.k, m_atoms, sm_count):
         run(t)
-    ranked = sorted((t for t, r in rows.items() if r.get("ok")), key=lambda t: rows[t]["time_us"])
+    ranked = sorted((t for t, r in rows.items() if r.get("ok") and isinstance(t, Tiling)),
+                    key=lambda t: rows[t]["time_us"])
     for t in ranked[:FINALISTS]:
         for v in split_variants(t, shape.n, shape.k, m_atoms, sm_count):
             run(v)
@@ -96,6 +122,13 @@ def sweep_case(inp: ShapeInputs, m: int, copy_bw: float, sm_count: int, deadline
     best = min(timed, key=lambda r: r["time_us"]) if timed else None
     return {"shape": shape.name, "n": shape.n, "k": shape.k, "m": m, "pick": rows[pick], "best": best,
             "failed": [r for r in rows.values() if r.get("ok") is False], "candidates": list(rows.values())}
+
+
+def label(t: dict) -> str:
+    """A `describe`d tiling in a few characters."""
+    if t["kernel"] == "wgmma":
+        return f"wgmma W{t['block_w']} S{t['stages']} s{t['splits']}"
+    return f"R{t['row_tiles']} A{t['chunk_atoms']} {t['warps_n']}x{t['warps_k']} s{t['splits']}"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.budget_s
     torch.backends.cuda.matmul.allow_tf32 = False
     copy_bw = copy_bandwidth_TBps()
-    sm_count = torch.cuda.get_device_properties(0).multi_processor_count
+    dev = facts(torch.device("cuda"))
     shapes = sorted((s for s in unique_shapes(tuple(args.tps)) if args.only is None or s.name in args.only),
                     key=lambda s: -s.weight_bytes)
     if args.only is not None and not shapes:
@@ -121,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in shapes:
         inp = ShapeInputs(s)
         for m in args.rows:
-            r = sweep_case(inp, m, copy_bw, sm_count, deadline)
+            r = sweep_case(inp, m, copy_bw, dev.arch, dev.sm_count, deadline)
             results.append(r)
             pick, best = r["pick"], r["best"]
             print(f"{s.name:22s} M={m:<3d} pick {pick.get('time_us', float('nan')):7.2f} us  "
@@ -135,10 +168,8 @@ def main(argv: list[str] | None = None) -> int:
         pick, best = r["pick"].get("time_us"), r["best"]
         if pick is None or best is None:
             continue
-        t = best["tiling"]
         print(f"{r['shape']:22s} {r['m']:3d} {pick:8.2f} {best['time_us']:8.2f} {pick / best['time_us']:5.2f} "
-              f"{100 * best['frac_of_copy_bw']:8.0f}  R{t['row_tiles']} A{t['chunk_atoms']} "
-              f"{t['warps_n']}x{t['warps_k']} s{t['splits']}")
+              f"{100 * best['frac_of_copy_bw']:8.0f}  {label(best['tiling'])}")
     return 1 if any(r["failed"] for r in results) else 0
 
 

@@ -385,8 +385,8 @@ def measured_sources(extra: Sequence[str | Path] = ()) -> list[str]:
              MODEL_DIR / "latency_specialized" / "dispatch.py"]
     files += sorted((MODEL_DIR / "reference").glob("*.py")) + sorted((MODEL_DIR / "kernels").glob("*.py"))
     # the executor and the op tables it runs (the kernels', the reference's, the yardstick's)
-    files += [MODEL_DIR / "latency_specialized" / f for f in ("executor.py", "decode_ops.py", "torch_ops.py",
-                                                              "moe_padding.py")]
+    files += [MODEL_DIR / "latency_specialized" / f for f in ("executor.py", "lanes.py", "decode_ops.py",
+                                                              "torch_ops.py", "moe_padding.py")]
     out = [rel(f) for f in files]
     for p in extra:  # absolute, or relative to the repository (as `cli` shows paths inside it)
         path = Path(p) if Path(p).is_absolute() else REPO_ROOT / p

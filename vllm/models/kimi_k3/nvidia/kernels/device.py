@@ -8,7 +8,9 @@
 | `DeviceFacts.scratch(key, make)` | tensors kept for the process under `key`, built by `make(device)` on first use |
 
 Scratch is never freed or reallocated: a captured CUDA graph holds its addresses. Launches that
-share a key share the tensors, so they must be ordered on one stream (they are, inside a step).
+share a key share the tensors, so they must never run at once: inside a step they are ordered on
+one stream, or run on different lanes of the executor only with different keys
+(`tests/test_lanes_scratch.py`).
 """
 
 from __future__ import annotations

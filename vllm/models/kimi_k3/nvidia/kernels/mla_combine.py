@@ -15,15 +15,15 @@ Envelope: the workspace of one `mla_decode.launch` — partials [slots, tile_row
 [rows · heads, 512] bf16, all contiguous and 16-byte aligned; run on the same stream right
 after the decode kernel. Compiles for sm_90a, sm_100a, sm_103a (nothing arch-specific).
 
-Design: one CTA of 128 threads per decode work unit (the same grid). Each record says what
+Design: one CTA of 32·GROUPS threads per decode work unit (the same grid). Each record says what
 that unit computed: request (−1: idle), split s, splits n, the slot of split 0 of its query
 tile, the slot stride between splits, the tile's real rows and its first output row. Units
 of a request with n = 1 (written directly) and idle ones exit at once. Otherwise the n
 units of a tile share its rows × 4 column blocks of 128 (unit s takes pieces s, s + n, ...),
-so the combine is as parallel as the splits. Per piece the four warps take every fourth
+so the combine is as parallel as the splits. Per piece the GROUPS warps take every GROUPS-th
 batch of UNROLL splits (16-byte loads of 4 columns per lane, a batch in flight at once),
-merge online in split order, then meet in shared memory, and warp 0 merges the four in
-order and stores.
+merge online in split order, then meet in shared memory, and warp 0 merges theirs in order
+and stores.
 """
 
 from __future__ import annotations
@@ -38,8 +38,12 @@ from cutlass import BFloat16, Constexpr, Float32, Int32
 from .rms_norm import gmem_ptr
 
 LATENT = 512
-GROUPS = 4  # warps, each merging every fourth batch of splits
-UNROLL = 8  # splits a warp loads at once (latency: one L2 round trip per batch, not per split)
+# warps, each merging every GROUPS-th batch of splits, and the splits a warp loads at once: the
+# combine is latency-bound (one round trip per batch), and one request's 128 splits take one
+# batch a warp (H200, 2026-12-05: with 4 warps × 8 splits, four batches, it took 14-17 µs of
+# that request's 35-70 at 32K-128K, the split kernel 17-50)
+GROUPS = 8
+UNROLL = 16
 COL_BLOCKS = 4  # 128-column pieces of a row: 32 lanes × 4 columns
 INFO_FIELDS = 8  # request, split, splits, first slot, slot stride, valid rows, output row; 32-byte records
 

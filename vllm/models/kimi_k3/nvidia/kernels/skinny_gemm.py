@@ -37,6 +37,9 @@ Design (decode is memory-bound: read every weight byte once, at HBM speed):
   the splits in a fixed order and writes y, so results are deterministic and one launch does
   all. Launches of one shape share that workspace, so they must be stream-ordered.
 
+Beyond 16 rows of 2-D x on sm_90a, `launch` runs `skinny_gemm_wgmma`'s TMA + wgmma kernel instead
+(`pick_tiling`); both store through `gemm_store`.
+
 The host `launch` checks the envelope before it touches the GPU, compiles once per
 (N, K, ceil(M/8), output dtype, arch, tiling, `Operands`), then only launches, on an explicit
 stream, so a launch can be captured in a CUDA graph once its shape has run one time outside the
@@ -53,11 +56,13 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32, const_expr
-from cutlass.cute.runtime import make_ptr
 
 from .device import DeviceFacts, facts
+from .gemm_store import MAX_ROWS, split_workspace, store, sum_splits
+from .rms_norm import gmem_ptr
+from .skinny_gemm_wgmma import ARCHS as WGMMA_ARCHS
+from .skinny_gemm_wgmma import WgmmaTiling, choose_wgmma_tiling, compile_skinny_gemm_wgmma
 
-MAX_ROWS = 64
 _OUT_DTYPES = {torch.bfloat16: BFloat16, torch.float32: Float32}
 EPILOGUES = ("none", "scale", "add", "gate")
 
@@ -171,6 +176,14 @@ def choose_tiling(n: int, k: int, m_atoms: int, sm_count: int, heads: int = 1) -
     return Tiling(row_tiles, chunk_atoms, x_atoms, warps_n, warps_k, splits_to_fill())
 
 
+def pick_tiling(arch: str, n: int, k: int, m_atoms: int, sm_count: int, heads: int = 1) -> Tiling | WgmmaTiling:
+    """The kernel and tiling `launch` uses: beyond 16 rows of 2-D x on sm_90a the TMA + wgmma
+    kernel (`skinny_gemm_wgmma`), else this file's warp-level one."""
+    if arch in WGMMA_ARCHS and heads == 1 and m_atoms > 2:
+        return choose_wgmma_tiling(n, k, m_atoms, sm_count)
+    return choose_tiling(n, k, m_atoms, sm_count, heads)
+
+
 @cute.jit
 def _load_chunk(src_vec: cute.Tensor, dst: cute.Tensor, head: Int32, first_row: Int32, rows: Constexpr,
                 row_limit: Int32, col0: Int32, vecs: Constexpr, k: Constexpr, k_tail: Constexpr):
@@ -213,23 +226,6 @@ def mma_step(mma: Any, acc: cute.Tensor, w_cur: cute.Tensor, x_frag: cute.Tensor
         x_frag.iterator,
         cute.make_layout(((2, 2), m_atoms, x_atoms), stride=((1, 2), x_elems, 4)))
     cute.gemm(mma, acc, a, b, acc)
-
-
-@cute.jit
-def _store(y: cute.Tensor, e: cute.Tensor, head: Int32, row: Int32, col: Int32, total: Float32, scale: Float32,
-           epilogue: Constexpr):
-    """y[head, row, col] from the fp32 sum, through the epilogue (module docstring)."""
-    if const_expr(epilogue == "none"):
-        y[head, row, col] = total.to(y.element_type)
-    else:
-        val = total.to(BFloat16).to(Float32)
-        if const_expr(epilogue == "scale"):
-            val = val * scale
-        if const_expr(epilogue == "add"):
-            val = val + e[head, row, col].to(Float32)
-        if const_expr(epilogue == "gate"):
-            val = val * (Float32(1.0) / (Float32(1.0) + cute.math.exp(-e[head, row, col].to(Float32))))
-        y[head, row, col] = val.to(y.element_type)
 
 
 @cute.kernel
@@ -311,8 +307,7 @@ def _skinny_gemm_kernel(
 
     y = cute.make_tensor(y_ptr, cute.make_layout((heads, m, n), stride=(*ops.y_strides, 1)))
     e = cute.make_tensor(e_ptr, cute.make_layout((heads, m, n), stride=(*ops.e_strides, 1)))
-    ws = cute.make_tensor(ws_ptr, cute.make_layout((heads, splits, MAX_ROWS, n),
-                                                   stride=(splits * MAX_ROWS * n, MAX_ROWS * n, n, 1)))
+    ws = split_workspace(ws_ptr, heads, splits, n)
     for idx in cutlass.range(tid, m * block_n, threads):
         xr = idx // block_n
         nl = idx % block_n
@@ -322,43 +317,13 @@ def _skinny_gemm_kernel(
             for q in cutlass.range_constexpr(1, warps_k):
                 total += red[q, xr, nl]
             if const_expr(splits == 1):
-                _store(y, e, head, xr, col, total, scale, ops.epilogue)
+                store(y, e, head, xr, col, total, scale, ops.epilogue)
             else:
                 ws[head, split, xr, col] = total
 
     if const_expr(splits > 1):
-        # publish this split's partials, then count the tile's arrivals; the last one sums
-        cute.arch.fence_acq_rel_gpu()
-        cute.arch.sync_threads()
-        counter = cnt_ptr + head * tiles_n + tile
-        if tid == 0:
-            arrived = cute.arch.atomic_add(counter, Int32(1), sem="acq_rel", scope="gpu")
-            is_last[0] = Int32(1) if arrived == splits - 1 else Int32(0)
-        cute.arch.sync_threads()
-        if is_last[0] == 1:
-            cute.arch.fence_acq_rel_gpu()
-            # all of a thread's workspace loads first (over the padded rows, at clamped indices,
-            # which were written), then the guarded stores, so the loads are in flight together:
-            # a loop that loads and stores each element waits one L2 round trip per element
-            # (16 of them at M = 64)
-            per_thread = -(-8 * m_atoms * block_n // threads)
-            totals = cute.make_rmem_tensor(cute.make_layout(per_thread), Float32)
-            for i in cutlass.range_constexpr(per_thread):
-                idx = tid + i * threads
-                xr_in = cutlass.min(idx // block_n, m - 1)
-                col_in = cutlass.min(tile * block_n + idx % block_n, n - 1)
-                totals[i] = ws[head, 0, xr_in, col_in]
-                for q in cutlass.range_constexpr(1, splits):
-                    totals[i] += ws[head, q, xr_in, col_in]
-            for i in cutlass.range_constexpr(per_thread):
-                idx = tid + i * threads
-                xr = idx // block_n
-                col = tile * block_n + idx % block_n
-                if xr < m:
-                    if col < n:
-                        _store(y, e, head, xr, col, totals[i], scale, ops.epilogue)
-            if tid == 0:
-                cute.arch.atomic_exch(counter, Int32(0), sem="relaxed", scope="gpu")
+        sum_splits(y, e, ws, cnt_ptr, is_last, head, tile, tiles_n, tid, m, scale, n, block_n, 8 * m_atoms, threads,
+                   splits, ops.epilogue)
 
 
 @cute.jit
@@ -387,22 +352,22 @@ def _skinny_gemm_host(
     )
 
 
-def _ptr(dtype: Any, address: int, align: int = 16) -> cute.Pointer:
-    return make_ptr(dtype, address, cute.AddressSpace.gmem, assumed_align=align)
-
-
-def compile_skinny_gemm(n: int, k: int, m_atoms: int, out_dtype: torch.dtype, tiling: Tiling,
+def compile_skinny_gemm(n: int, k: int, m_atoms: int, out_dtype: torch.dtype, tiling: Tiling | WgmmaTiling,
                         arch: str, ptx_dir: str | None = None, ops: Operands | None = None) -> Any:
     """Compile for one static shape, operand layout (default: `Operands.plain`) and arch
-    ('sm_90a', 'sm_100a', ...); needs no GPU.
+    ('sm_90a', 'sm_100a', ...); needs no GPU. The tiling's type picks the kernel: a `WgmmaTiling`
+    compiles `skinny_gemm_wgmma`'s (sm_90a, 2-D x).
 
     With ptx_dir the PTX and the cubin are kept in the result's `artifacts.PTX` and
     `artifacts.CUBIN` (and written into ptx_dir).
     """
+    if isinstance(tiling, WgmmaTiling):
+        return compile_skinny_gemm_wgmma(n, k, m_atoms, _OUT_DTYPES[out_dtype], tiling, arch,
+                                         ops or Operands.plain(n, k), ptx_dir)
     return cute.compile(
         _skinny_gemm_host,
-        _ptr(BFloat16, 16), _ptr(BFloat16, 16), _ptr(_OUT_DTYPES[out_dtype], 16), _ptr(BFloat16, 16, 2),
-        _ptr(Float32, 16), _ptr(Int32, 16, 4), Int32(1), Float32(1.0), cute.runtime.make_fake_stream(),
+        gmem_ptr(BFloat16, 16), gmem_ptr(BFloat16, 16), gmem_ptr(_OUT_DTYPES[out_dtype], 16), gmem_ptr(BFloat16, 16, 2),
+        gmem_ptr(Float32, 16), gmem_ptr(Int32, 16, 4), Int32(1), Float32(1.0), cute.runtime.make_fake_stream(),
         n, k, m_atoms, tiling.row_tiles, tiling.chunk_atoms, tiling.x_atoms,
         tiling.warps_n, tiling.warps_k, tiling.splits, ops or Operands.plain(n, k),
         options=f"--gpu-arch {arch}" + (f" --keep-ptx --keep-cubin --dump-dir={ptx_dir}" if ptx_dir else ""),
@@ -482,13 +447,14 @@ _COMPILED: dict[tuple, Any] = {}
 
 def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
            out_dtype: torch.dtype = torch.bfloat16, stream: torch.cuda.Stream | None = None,
-           tiling: Tiling | None = None, scale: float | None = None, addend: torch.Tensor | None = None,
+           tiling: Tiling | WgmmaTiling | None = None, scale: float | None = None, addend: torch.Tensor | None = None,
            gate: torch.Tensor | None = None) -> torch.Tensor:
     """y = x · wᵀ (per head for 3-D x and w) into `out` (allocated when None) on `stream` (default:
     the current stream), through at most one epilogue: `scale`, `addend` or `gate`.
 
-    The first call of a shape compiles (seconds); later calls only launch. `tiling` overrides the
-    heuristic (benchmarks use it to compare tilings).
+    The first call of a shape compiles (seconds); later calls only launch. Beyond 16 rows of 2-D x
+    on sm_90a the step runs `skinny_gemm_wgmma`'s kernel. `tiling` overrides the heuristic and,
+    by its type, the kernel (benchmarks use it to compare tilings).
     """
     chosen = [(kind, v) for kind, v in (("scale", scale), ("add", addend), ("gate", gate)) if v is not None]
     if len(chosen) > 1:
@@ -500,11 +466,17 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
     heads = 1 if x.dim() == 2 else x.shape[1]
     dev = facts(x.device)
     m_atoms = -(-m // 8)
-    tiling = tiling or choose_tiling(n, k, m_atoms, dev.sm_count, heads)
+    if tiling is None:
+        tiling = pick_tiling(dev.arch, n, k, m_atoms, dev.sm_count, heads)
+    elif isinstance(tiling, WgmmaTiling) and not (dev.arch in WGMMA_ARCHS and heads == 1):
+        raise SkinnyGemmEnvelopeError(f"skinny_gemm: a WgmmaTiling needs 2-D x on one of {WGMMA_ARCHS}, got "
+                                      f"{heads} heads on {dev.arch}; pass a Tiling or none")
     if out is None:
         out = torch.empty((m, n) if x.dim() == 2 else (m, heads, n), dtype=out_dtype, device=x.device)
     ops = Operands(heads, _strides(x), _strides(out), kind,
                    _strides(operand) if operand is not None else (0, 0))
+    if isinstance(tiling, WgmmaTiling):
+        m_atoms += m_atoms % 2  # its x tiles have 16·ceil(M/16) rows: one program for 17-32 rows, ...
     key = (n, k, m_atoms, out_dtype, dev.arch, tiling, ops)
     fn = _COMPILED.get(key)
     if fn is None:
@@ -512,8 +484,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
     ws, cnt = _split_scratch(dev, n, tiling, heads)
     stream = torch.cuda.current_stream(x.device) if stream is None else stream
     e_addr = (operand if operand is not None else x).data_ptr()
-    fn(_ptr(BFloat16, w.data_ptr()), _ptr(BFloat16, x.data_ptr()),
-       _ptr(_OUT_DTYPES[out_dtype], out.data_ptr()), _ptr(BFloat16, e_addr, 2), _ptr(Float32, ws.data_ptr()),
-       _ptr(Int32, cnt.data_ptr(), 4), m, float(scale if scale is not None else 1.0),
+    fn(gmem_ptr(BFloat16, w.data_ptr()), gmem_ptr(BFloat16, x.data_ptr()),
+       gmem_ptr(_OUT_DTYPES[out_dtype], out.data_ptr()), gmem_ptr(BFloat16, e_addr, 2), gmem_ptr(Float32, ws.data_ptr()),
+       gmem_ptr(Int32, cnt.data_ptr(), 4), m, float(scale if scale is not None else 1.0),
        cuda.CUstream(stream.cuda_stream))
     return out

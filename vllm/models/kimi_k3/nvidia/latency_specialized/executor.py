@@ -17,6 +17,8 @@ tensors and metadata, so CPU tests check this file's plumbing exactly against
           cache[slot] ← [c | k_pe];  ol = mla_decode(q_lat, cache);  a = Σ_ranks bf16(ol·W_UVᵀ ⊙ σ(g))·W_oᵀ
     v = AttnRes(blocks, prefix + a)
     MoE:  route(v·W_gᵀ) → experts(v·W_downᵀ) → norm → ·W_upᵀ, + shared SiTU MLP;  dense: SiTU MLP
+    (with CUDA graphs, v·W_downᵀ and the shared MLP run on side lanes beside the routing, and
+    MLA's cache write beside the query's GEMMs: `lanes.py`; `overlap=False` keeps one stream)
     h = AttnRes_final(blocks, prefix + m_last) fused with the final norm;  logits = Σ_ranks-gather h·W_lmᵀ
 
 Buffers a replay writes outside the state (activations, logits) live in one graph memory
@@ -42,6 +44,7 @@ from ..reference.state import DecodeState, KDALayerState, MLALayerState, Segment
 from .buckets import bucket_for, pad_to_bucket
 from .decode_ops import DecodeOps, KernelOps, MLAAbsorption, ReferenceOps
 from .deployment import StepFacts
+from .lanes import Lanes
 
 
 OUTPUTS = ("logits", "hidden")  # what a step returns: vLLM's model forward returns the hidden states
@@ -152,7 +155,7 @@ class SpecializedDecode:
                  buckets: Sequence[tuple[int, int]], ops: DecodeOps | None = None, graphs: bool | None = None,
                  block_size: int = 64, output: str = "logits", inputs: str = "ids",
                  pools: tuple[dict[int, KDALayerState], dict[int, MLALayerState]] | None = None,
-                 log: Callable[[str], None] | None = None):
+                 log: Callable[[str], None] | None = None, overlap: bool | None = None):
         self.model, self.cfg, self.shard, self.coll = model, model.cfg, model.shard, model.coll
         self.w = model.w
         device = self.w.embed.device
@@ -160,6 +163,12 @@ class SpecializedDecode:
         self.graphs = device.type == "cuda" if graphs is None else graphs
         if self.graphs and device.type != "cuda":
             raise ExecutorError("CUDA graphs need the weights on a CUDA device; pass graphs=False on CPU")
+        # independent ops of a layer on side streams, which a graph replays side by side (lanes.py);
+        # eager steps stay on one stream, as tests that read the ops in order expect
+        overlap = self.graphs if overlap is None else overlap
+        if overlap and not self.graphs:
+            raise ExecutorError("overlap needs CUDA graphs (the lanes become graph branches); pass overlap=False")
+        self.lanes = Lanes(device if overlap else None)
         if output not in OUTPUTS:
             raise ExecutorError(f"output must be one of {', '.join(map(repr, OUTPUTS))}, got {output!r}: 'logits' "
                                 "for full-vocab fp32 logits, 'hidden' for the hidden states before the final norm")
@@ -335,27 +344,38 @@ class SpecializedDecode:
                                     cfg.v_head_dim)
         q_c, kv_c, k_pe, gate = ops.linear(u, w.fused_a).split([r_q, r_kv, d_r, heads * d_v], dim=-1)
         cache = self.state.mla[i].cache
-        ops.mla_cache_write(kv_c, k_pe, w.kv_a_norm, eps, cache, meta.cache_index)
+        with self.lanes.beside(0):  # the new rows' cache write beside the query's norm and GEMMs
+            ops.mla_cache_write(kv_c, k_pe, w.kv_a_norm, eps, cache, meta.cache_index)
         q = ops.linear(ops.rms_norm(q_c, w.q_a_norm, eps), w.q_b).view(-1, heads, d_n + d_r)
         q_lat = ops.mla_absorb(q, self.absorb[i])
+        self.lanes.join(0)
         o = ops.mla_unabsorb(ops.mla_attend(q_lat, cache, meta, r_kv, self.tau), self.absorb[i], gate)
         return self.coll.all_reduce(ops.linear(o, w.o_proj))
 
     def _moe(self, w: MoEWeights, v: torch.Tensor) -> torch.Tensor:
-        cfg, ops = self.cfg, self.ops
+        cfg, ops, lanes = self.cfg, self.ops, self.lanes
+        # neither the latent down-projection nor the shared experts wait for the routing: they run
+        # beside the router (the shared experts also beside the routed ones)
+        with lanes.beside(0):
+            x_lat = ops.linear(v, w.latent_down)
+        with lanes.beside(1):
+            shared_part = self._gated_mlp_rank(w.shared_gate_up, w.shared_down, v)
         weights, ids = ops.route(ops.linear(v, w.router, out_dtype=F32), w.bias, cfg)
-        y = self.coll.all_reduce(ops.routed_experts(ops.linear(v, w.latent_down), ids, weights, w, cfg, self.shard))
+        lanes.join(0)
+        y = self.coll.all_reduce(ops.routed_experts(x_lat, ids, weights, w, cfg, self.shard))
         y = y[:, :cfg.routed_expert_hidden_size]  # a padded latent's columns are zero (moe_padding.py)
         if cfg.latent_moe_use_norm:
             y = ops.rms_norm(y, w.latent_norm, cfg.rms_norm_eps)
         # routed + shared in the up-projection's epilogue: both are whole here (after their
-        # all-reduces; latent_up is replicated)
-        shared = self._gated_mlp(w.shared_gate_up, w.shared_down, v)
+        # all-reduces, in this order on every rank; latent_up is replicated)
+        lanes.join(1)
+        shared = self.coll.all_reduce(shared_part)
         return ops.linear(y, w.latent_up, addend=shared)
 
     def _dense(self, w: DenseMLPWeights, v: torch.Tensor) -> torch.Tensor:
-        return self._gated_mlp(w.gate_up, w.down, v)
+        return self.coll.all_reduce(self._gated_mlp_rank(w.gate_up, w.down, v))
 
-    def _gated_mlp(self, gate_up: torch.Tensor, down: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _gated_mlp_rank(self, gate_up: torch.Tensor, down: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """This rank's share of a SiTU MLP (its intermediate columns), before the all-reduce."""
         h = self.ops.situ_and_mul(self.ops.linear(v, gate_up), *activation_clips(self.cfg))
-        return self.coll.all_reduce(self.ops.linear(h, down))
+        return self.ops.linear(h, down)

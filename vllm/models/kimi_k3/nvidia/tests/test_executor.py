@@ -11,6 +11,7 @@ from vllm.models.kimi_k3.nvidia.latency_specialized.deployment import Deployment
 from vllm.models.kimi_k3.nvidia.latency_specialized.dispatch import Dispatcher
 from vllm.models.kimi_k3.nvidia.latency_specialized.engine import Engine, Request, build_specialized
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import ExecutorError, SpecializedDecode, StepMeta
+from vllm.models.kimi_k3.nvidia.latency_specialized.lanes import Lanes
 from vllm.models.kimi_k3.nvidia.latency_specialized.moe_padding import pad_moe
 from vllm.models.kimi_k3.nvidia.latency_specialized.options import BackendOptions
 from vllm.models.kimi_k3.nvidia.latency_specialized.sampler import SamplingParams
@@ -187,6 +188,25 @@ def test_plan_declines_what_no_bucket_serves(model):
         SpecializedDecode(model, max_requests=1, max_len=8, buckets=[(3, 2)], graphs=False, log=lambda _: None)
     with pytest.raises(ExecutorError, match="whole 2-token requests"):
         StepMeta.padding(3, 2, 4, torch.device("cpu"))
+    with pytest.raises(ExecutorError, match="overlap needs CUDA graphs"):
+        SpecializedDecode(model, max_requests=1, max_len=8, buckets=[(1, 1)], graphs=False, overlap=True,
+                          log=lambda _: None)
+
+
+def test_lanes_off_run_on_the_current_stream_in_issue_order(model):
+    """Without graphs the lanes are off: `beside` runs its block at once, `join` does nothing, so an
+    eager step issues the ops of a graphed one in the same order (a GPU test compares the two)."""
+    ex = SpecializedDecode(model, max_requests=1, max_len=8, buckets=[(1, 1)], graphs=False, log=lambda _: None)
+    assert not ex.lanes.on and not Lanes(None).on
+    order = []
+    with ex.lanes.beside(0):
+        order.append("lane 0")
+    order.append("current")
+    ex.lanes.join(0)
+    with ex.lanes.beside(1):
+        order.append("lane 1")
+    ex.lanes.join(1)
+    assert order == ["lane 0", "current", "lane 1"]
 
 
 def test_engine_on_the_executor_state_matches_the_standard_engine(model):

@@ -7,6 +7,7 @@ differences into O(0.3) logit changes, so whole-step logits are compared where r
   of a step, kernel against reference on identical inputs (`op_parity.ComparedOps`);
 - the dense block (K3's dense SiTU MLP in every layer): whole-step logits, multi-step drift,
   graph replay against an eager run, and steps alternating between the paths;
+- graphs with side lanes (`lanes.py`, the default) against one-stream graphs: bit-identical steps;
 - the shipped tiny eval model (all 8 layers, its 8 experts padded for the MoE kernels by
   `moe_padding`): the MoE block's two tests as well.
 """
@@ -120,6 +121,30 @@ def test_graph_replay_equals_an_eager_run_bit_for_bit(dense):
     RESULTS.append({"name": "dense block rows4: graph replay vs eager launches", "status":
                     "pass" if torch.equal(graphed, eager) else "fail"})
     assert torch.equal(graphed, eager)
+
+
+@pytest.mark.gpu
+def test_lanes_change_the_schedule_not_the_step(moe_block):
+    """Graphs whose MoE and MLA layers run side ops on lanes (the default) replay what one-stream
+    graphs replay, bit for bit, step after step on one state, with the same kernels in the step."""
+    ex = {ov: SpecializedDecode(moe_block, max_requests=4, max_len=600, buckets=BUCKETS, ops=KernelOps(), overlap=ov)
+          for ov in (True, False)}
+    assert ex[True].lanes.on and not ex[False].lanes.on
+    for key in BUCKETS:
+        assert sorted(ex[True].kernels[key]) == sorted(ex[False].kernels[key]), key
+    rows, q = 8, 8
+    slots = _fresh(ex[True], rows // q, 500, 11)
+    copy_state(ex[False].state, ex[True].state)
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    same = True
+    for _ in range(6):
+        ids = torch.randint(0, moe_block.w.lm_head.shape[0], (rows,), generator=gen, device="cuda")
+        out = [e(ids, [e.state.segment(r, j * q, q, prefill=False) for j, r in enumerate(slots)], e.state).clone()
+               for e in (ex[True], ex[False])]
+        same &= torch.equal(*out)
+    RESULTS.append({"name": "moe block rows8 q8: lanes vs one stream, 6 graph replays", "status":
+                    "pass" if same else "fail"})
+    assert same
 
 
 @pytest.mark.gpu

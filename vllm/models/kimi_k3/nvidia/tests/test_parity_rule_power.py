@@ -45,6 +45,7 @@ NO_POWER_YET = pytest.mark.xfail(strict=True, reason="the logit rule cannot fail
 UNUSABLE = ("93-layer, 32 experts, TP16", dict(tp=16, layers=FULL_LAYERS, experts=32), [(1, 1)])
 SOURCES = ["vllm/models/kimi_k3/nvidia/benchmarks/block_parity.py",
            "vllm/models/kimi_k3/nvidia/latency_specialized/executor.py",
+           "vllm/models/kimi_k3/nvidia/latency_specialized/lanes.py",
            "vllm/models/kimi_k3/nvidia/latency_specialized/torch_ops.py",
            *(f"vllm/models/kimi_k3/nvidia/reference/{m}.py" for m in (
                "attn_res", "dense_mlp", "kda", "mla", "model", "moe", "ops", "params", "state"))]

@@ -1,12 +1,17 @@
-"""Skinny GEMM kernel (kernels/skinny_gemm.py) against reference/ops.py::linear.
+"""Skinny GEMM kernels (kernels/skinny_gemm.py and, beyond 16 rows on sm_90a,
+kernels/skinny_gemm_wgmma.py) against reference/ops.py::linear.
 
 CPU: envelope errors (raised before any CUDA use) and compile checks for sm_90a, sm_100a and
 sm_103a whose PTX must show the design (mma.sync m16n8k16, 16-byte global loads, no local
-memory), also per head and with each epilogue. GPU (marker `gpu`): every K3 projection shape of
+memory), also per head and with each epilogue; for the wgmma kernel which steps take it, and
+that every pick compiles to TMA loads and m64nTk16 wgmmas, PDL-ordered, two CTAs an SM, no
+spills. GPU (marker `gpu`): every K3 projection shape of
 TP1/8/16 at M in {1, 2, 3, 8, 16, 33, 64}, four input distributions, NaN-poisoned outputs,
 ‖out − ref‖/‖ref‖ in fp32 under a bound; the step's uses of the operand layouts and epilogues
 (x as a column slice, MLA's per-head absorption and gated un-absorption, the residual add, the
-logit scale) against the reference formulas on the same inputs; repeat launches bit-identical
+logit scale) against the reference formulas on the same inputs; the wgmma kernel at forced
+tilings (64/128-row CTAs, 2 stages, an empty split, N and K tails, a strided x, fp32 out) at
+M in {1, 8, 17, 33, 48, 64}; repeat launches bit-identical
 (split-K counters reset); CUDA-graph capture and replay. With K3_EVIDENCE_DIR set the GPU
 results are also written there as a "kernel-test" record.
 """
@@ -22,6 +27,8 @@ import torch
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install nvidia-cutlass-dsl==4.8.1)")
 
 from vllm.models.kimi_k3.nvidia.kernels import skinny_gemm  # noqa: E402
+from vllm.models.kimi_k3.nvidia.kernels.skinny_gemm import Tiling, WgmmaTiling  # noqa: E402
+from vllm.models.kimi_k3.nvidia.kernels.skinny_gemm_wgmma import TILE_K, stage_bytes, token_rows  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.cubin_resources import kernel_resources  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.shapes import k3_gemm_shapes  # noqa: E402
 from vllm.models.kimi_k3.nvidia.latency_specialized.evidence import write_record  # noqa: E402
@@ -33,6 +40,8 @@ ROWS = (1, 2, 3, 8, 16, 33, 64)
 # fp32 outputs: only the fp32 summation order differs from the reference
 REL_ERR_BOUND = {torch.bfloat16: 4e-3, torch.float32: 1e-5}
 SOURCES = ("vllm/models/kimi_k3/nvidia/kernels/skinny_gemm.py",
+           "vllm/models/kimi_k3/nvidia/kernels/skinny_gemm_wgmma.py",
+           "vllm/models/kimi_k3/nvidia/kernels/gemm_store.py",
            "vllm/models/kimi_k3/nvidia/kernels/shapes.py",
            "vllm/models/kimi_k3/nvidia/tests/test_skinny_gemm.py")
 
@@ -215,6 +224,54 @@ def test_small_m_tilings_follow_the_sweep():
     assert pick["shared_down@tp16"] == skinny_gemm.Tiling(1, 8, 4, 2, 3, 1)
 
 
+# ---------------------------------------------------------------- the TMA + wgmma kernel (CPU)
+
+def test_rows_beyond_16_of_2d_x_on_hopper_take_the_wgmma_kernel():
+    for s in SHAPES:
+        assert isinstance(skinny_gemm.pick_tiling("sm_90a", s.n, s.k, 3, 132), WgmmaTiling), s.name
+        assert isinstance(skinny_gemm.pick_tiling("sm_90a", s.n, s.k, 2, 132), Tiling), s.name
+        assert isinstance(skinny_gemm.pick_tiling("sm_100a", s.n, s.k, 8, 148), Tiling), s.name
+    assert isinstance(skinny_gemm.pick_tiling("sm_90a", 576, 192, 8, 132, heads=6), Tiling)
+
+
+def test_wgmma_tilings_fit_two_ctas_an_sm_and_give_every_split_work():
+    for s in SHAPES:
+        for m_atoms in range(3, 9):
+            t = skinny_gemm.pick_tiling("sm_90a", s.n, s.k, m_atoms, 132)
+            k_tiles = -(-s.k // TILE_K)
+            per_split = -(-k_tiles // t.splits)
+            assert per_split * (t.splits - 1) < k_tiles, (s.name, m_atoms, t)  # the last split has a tile
+            assert 2 * (t.stages * stage_bytes(t.block_w, m_atoms) + 1024) <= 228 * 1024, (s.name, m_atoms, t)
+
+
+def test_wgmma_kernel_is_hopper_only():
+    with pytest.raises(ValueError, match="sm_90a"):
+        skinny_gemm.compile_skinny_gemm(128, 256, 4, torch.bfloat16, WgmmaTiling(64, 2, 1), "sm_100a")
+
+
+def test_wgmma_picks_compile_to_tma_and_wgmma_without_spills(tmp_path):
+    """Every pick beyond 16 rows (one per x tile height) compiles for sm_90a to TMA loads and
+    m64nTk16 wgmmas, W requested before the PDL wait and the MMAs after it, with registers for
+    two CTAs an SM and no stack frame."""
+    seen = set()
+    for s in SHAPES:
+        for m_atoms in (4, 6, 8):  # x tiles of 32, 48 and 64 rows (3, 5 and 7 round up to them)
+            t = skinny_gemm.pick_tiling("sm_90a", s.n, s.k, m_atoms, 132)
+            if (s.n, s.k, s.out_dtype, m_atoms, t) in seen:
+                continue
+            seen.add((s.n, s.k, s.out_dtype, m_atoms, t))
+            compiled = skinny_gemm.compile_skinny_gemm(s.n, s.k, m_atoms, s.out_dtype, t, "sm_90a",
+                                                       ptx_dir=str(tmp_path))
+            ptx = compiled.artifacts.PTX
+            assert f"wgmma.mma_async.sync.aligned.m64n{token_rows(m_atoms)}k16.f32.bf16.bf16" in ptx, (s.name, m_atoms)
+            order = [ptx.index(op) for op in ("griddepcontrol.launch_dependents", "cp.async.bulk.tensor",
+                                              "griddepcontrol.wait", "wgmma.mma_async")]
+            assert order == sorted(order), (s.name, m_atoms, order)
+            assert not re.search(r"\b(ld|st)\.local", ptx), (s.name, m_atoms, "spilled")
+            used = kernel_resources(compiled.artifacts.CUBIN)
+            assert used.ctas_per_sm(128) >= 2 and used.frame_bytes == 0, (s.name, m_atoms, t, used)
+
+
 # ---------------------------------------------------------------- GPU checks
 
 @pytest.fixture(scope="module")
@@ -233,6 +290,18 @@ def evidence():
                      extra={"rel_err_bound": {str(k).removeprefix("torch."): v for k, v in REL_ERR_BOUND.items()}})
 
 
+def _judge(evidence: list[dict], failures: list[str], name: str, out: torch.Tensor, ref: torch.Tensor,
+           bound: float, **fields) -> None:
+    """One case's evidence row (NaN left unwritten, relative error against ref) and its failure."""
+    unwritten = int(torch.isnan(out).sum())
+    rel = rel_err(out, ref)
+    ok = unwritten == 0 and rel < bound
+    evidence.append({"name": name, "status": "pass" if ok else "fail", "rel_err": rel, "unwritten": unwritten,
+                     **fields})
+    if not ok:
+        failures.append(f"{name}: rel_err {rel:.2e} (bound {bound:.0e}), {unwritten} NaN left")
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", SHAPES, ids=[s.name for s in SHAPES])
 def test_matches_reference_on_every_shape(shape, evidence):
@@ -246,18 +315,11 @@ def test_matches_reference_on_every_shape(shape, evidence):
             x = draw(dist, (m, shape.k), gen, "cuda")
             out = torch.full((m, shape.n), float("nan"), dtype=shape.out_dtype, device="cuda")
             skinny_gemm.launch(x, w, out, out_dtype=shape.out_dtype)
-            ref = linear(x, w, torch.float32)
-            unwritten = int(torch.isnan(out).sum())
-            rel = rel_err(out, ref)
-            ok = unwritten == 0 and rel < bound
-            evidence.append({"name": f"{shape.name} M={m} {dist}", "status": "pass" if ok else "fail",
-                             "shape": {"n": shape.n, "k": shape.k, "m": m,
-                                       "out_dtype": str(shape.out_dtype).removeprefix("torch.")},
-                             "distribution": dist, "rel_err": rel, "unwritten": unwritten})
-            if not ok:
-                failures.append(f"M={m} {dist}: rel_err {rel:.2e} (bound {bound:.0e}), {unwritten} NaN left")
+            _judge(evidence, failures, f"{shape.name} M={m} {dist}", out, linear(x, w, torch.float32), bound,
+                   shape={"n": shape.n, "k": shape.k, "m": m,
+                          "out_dtype": str(shape.out_dtype).removeprefix("torch.")}, distribution=dist)
         del w
-    assert not failures, f"{shape.name}: " + "; ".join(failures)
+    assert not failures, "; ".join(failures)
 
 
 @pytest.mark.gpu
@@ -337,11 +399,45 @@ def test_operand_layouts_and_epilogues_match_the_reference(case, evidence):
             out_dtype = torch.float32 if "scale" in kw else BF16
             out = torch.full(ref.shape, float("nan"), dtype=out_dtype, device="cuda")
             skinny_gemm.launch(x, w, out, out_dtype=out_dtype, **kw)
-            unwritten = int(torch.isnan(out).sum())
-            rel = rel_err(out, ref)
-            ok = unwritten == 0 and rel < REL_ERR_BOUND[BF16]
-            evidence.append({"name": f"{case} M={m} {dist}", "status": "pass" if ok else "fail",
-                             "distribution": dist, "rel_err": rel, "unwritten": unwritten})
-            if not ok:
-                failures.append(f"M={m} {dist}: rel_err {rel:.2e}, {unwritten} NaN left")
-    assert not failures, f"{case}: " + "; ".join(failures)
+            _judge(evidence, failures, f"{case} M={m} {dist}", out, ref, REL_ERR_BOUND[BF16], distribution=dist)
+    assert not failures, "; ".join(failures)
+
+
+# (name, N, K, x row stride, out dtype): a partial last W tile at 128 rows, N under one tile with
+# a K tail (200 = 3·64 + 8) read from a column slice, and the router's fp32 logits
+WGMMA_SHAPES = [("fused_a tail", 2880, 7168, 7168, torch.bfloat16), ("tiny, K tail, slice", 80, 200, 208, torch.bfloat16),
+                ("router fp32", 896, 7168, 7168, torch.float32)]
+# 64- and 128-row CTAs, the fewest stages, splits that leave the last one empty at K = 200
+WGMMA_TILINGS = [WgmmaTiling(64, 2, 1), WgmmaTiling(128, 4, 3), WgmmaTiling(64, 8, 5)]
+
+
+def wgmma_bound(out_dtype: torch.dtype, k: int, splits: int) -> float:
+    """The error bound for one wgmma tiling. Published measurements of Hopper's tensor cores
+    report that they add each k16 product into the FP32 accumulator truncating, not rounding to
+    nearest, so an FP32 output's error grows with the additions in its chain, ~2^-24 relative
+    each; one warpgroup's accumulator takes K / 16 / splits of them in a row. The router at
+    K = 7168 unsplit chains 448 (a numpy model of that truncation: 1.0e-5 to 1.1e-5, at the flat
+    1e-5 bound), where the warp kernel's 16 warps chain 28. bf16 outputs are bounded by their own
+    rounding."""
+    chain = -(-k // (16 * splits))
+    return max(REL_ERR_BOUND[out_dtype], chain * 2.0**-24) if out_dtype == torch.float32 else REL_ERR_BOUND[out_dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiling", WGMMA_TILINGS, ids=str)
+def test_wgmma_tilings_match_the_reference(tiling, evidence):
+    """The TMA + wgmma kernel at tilings its heuristic may not pick, at row counts on both sides of
+    every x tile height (and below 17, which it also runs), outputs NaN-poisoned."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    gen = torch.Generator(device="cuda").manual_seed(tiling.block_w + tiling.splits)
+    failures = []
+    for name, n, k, stride, out_dtype in WGMMA_SHAPES:
+        for dist in ("normal", "heavy_tailed"):
+            w = draw(dist, (n, k), gen, "cuda")
+            for m in (1, 8, 17, 33, 48, 64):
+                x = draw(dist, (m, stride), gen, "cuda")[:, :k]
+                out = torch.full((m, n), float("nan"), dtype=out_dtype, device="cuda")
+                skinny_gemm.launch(x, w, out, out_dtype=out_dtype, tiling=tiling)
+                _judge(evidence, failures, f"wgmma {tiling} {name} M={m} {dist}", out,
+                       linear(x.contiguous(), w, F32), wgmma_bound(out_dtype, k, tiling.splits), distribution=dist)
+    assert not failures, "; ".join(failures)

@@ -1,7 +1,8 @@
 """benchmarks/sweep_skinny_tiling.py on the CPU: its candidates are launchable tilings of every K3
 per-rank shape, a candidate other than the pick compiles for sm_90a, and the two-stage sweep
 (with the timing stood in for) finds the fastest correct tiling, reports the failing ones and
-stops at its budget (the sweep itself needs the GPU)."""
+stops at its budget (the sweep itself needs the GPU); beyond 16 rows on sm_90a it also times the TMA + wgmma
+kernel's candidates."""
 
 from __future__ import annotations
 
@@ -58,7 +59,10 @@ def _fake_bench(broken: skinny_gemm.Tiling | None):
     """A stand-in for bench_case: time falls with splits and wider chunks; one tiling is wrong."""
     def bench_case(inp, m, copy_bw, tiling, baseline):
         assert baseline is False
-        t_us = 20.0 / tiling.splits + 8.0 / tiling.chunk_atoms + tiling.row_tiles
+        if isinstance(tiling, skinny_gemm.WgmmaTiling):
+            t_us = 0.2 + 6.4 / tiling.block_w  # below every warp tiling, 128 rows fastest
+        else:
+            t_us = 20.0 / tiling.splits + 8.0 / tiling.chunk_atoms + tiling.row_tiles
         return {"time_us": t_us, "frac_of_copy_bw": 10.0 / t_us, "rel_err": 0.5 if tiling == broken else 1e-3,
                 "status": "fail" if tiling == broken else "pass"}
     return bench_case
@@ -71,18 +75,33 @@ def test_the_sweep_finds_the_fastest_correct_tiling_and_reports_failures(monkeyp
     fake = _fake_bench(None)
     fastest = min(stage_one, key=lambda t: fake(None, 1, 0, t, False)["time_us"])
     monkeypatch.setattr(sweep, "bench_case", _fake_bench(fastest))
-    r = sweep.sweep_case(SimpleNamespace(shape=shape), 1, 4.2, SMS, time.monotonic() + 60)
-    assert r["pick"]["tiling"] == sweep.asdict(pick) and r["pick"]["ok"]
-    assert [f["tiling"] for f in r["failed"]] == [sweep.asdict(fastest)]
+    r = sweep.sweep_case(SimpleNamespace(shape=shape), 1, 4.2, "sm_90a", SMS, time.monotonic() + 60)
+    assert r["pick"]["tiling"] == sweep.describe(pick) and r["pick"]["ok"]
+    assert [f["tiling"] for f in r["failed"]] == [sweep.describe(fastest)]
     timed = [c for c in r["candidates"] if c.get("ok")]
     assert r["best"]["time_us"] == min(c["time_us"] for c in timed)
-    assert r["best"]["tiling"] != sweep.asdict(fastest)
+    assert r["best"]["tiling"] != sweep.describe(fastest)
     # stage two varied the split count of the finalists: some candidate is not a stage-one shape
-    assert any(skinny_gemm.Tiling(**c["tiling"]) not in stage_one + [pick] for c in r["candidates"])
+    tilings = [{k: v for k, v in c["tiling"].items() if k != "kernel"} for c in r["candidates"]]
+    assert any(skinny_gemm.Tiling(**t) not in stage_one + [pick] for t in tilings)
+    assert all(c["tiling"]["kernel"] == "warp" for c in r["candidates"])  # one row: no wgmma candidates
+
+
+def test_beyond_16_rows_on_hopper_the_sweep_times_the_wgmma_kernel_too(monkeypatch):
+    shape = GemmShape("lm_head@tp16", 16, 10240, 7168)
+    monkeypatch.setattr(sweep, "bench_case", _fake_bench(None))
+    r = sweep.sweep_case(SimpleNamespace(shape=shape), 33, 4.2, "sm_90a", SMS, time.monotonic() + 60)
+    assert r["pick"]["tiling"]["kernel"] == "wgmma"
+    wgmma = [c["tiling"] for c in r["candidates"] if c["tiling"]["kernel"] == "wgmma"]
+    assert {t["block_w"] for t in wgmma} == {64, 128} and len({t["splits"] for t in wgmma}) > 1
+    assert any(c["tiling"]["kernel"] == "warp" for c in r["candidates"])
+    assert sweep.label(r["best"]["tiling"]).startswith("wgmma W128")  # the stand-in times 128 rows fastest
+    r = sweep.sweep_case(SimpleNamespace(shape=shape), 33, 4.2, "sm_100a", SMS, time.monotonic() + 60)
+    assert all(c["tiling"]["kernel"] == "warp" for c in r["candidates"])
 
 
 def test_the_sweep_stops_at_its_budget(monkeypatch):
     shape = GemmShape("kda_in_proj@tp16", 16, 3216, 7168)
     monkeypatch.setattr(sweep, "bench_case", _fake_bench(None))
-    r = sweep.sweep_case(SimpleNamespace(shape=shape), 1, 4.2, SMS, time.monotonic() - 1)
+    r = sweep.sweep_case(SimpleNamespace(shape=shape), 1, 4.2, "sm_90a", SMS, time.monotonic() - 1)
     assert r["best"] is None and all(c.get("skipped") == "budget" for c in r["candidates"])
