@@ -85,8 +85,9 @@ def choose_wgmma_tiling(n: int, k: int, m_atoms: int, sm_count: int) -> WgmmaTil
     bytes, then renumbered so that no split is empty; as many stages as let two CTAs share an SM
     and a split has K tiles. One CTA an SM, not two: in `sweep_skinny_tiling` on the H200
     (2026-12-05, M = 32 and 64) this was the fastest of all candidates on dense_down@tp16,
-    kda_o_proj@tp8 and shared_gate_up@tp8, 1.22-1.45x the two-CTAs-an-SM pick, whose extra splits
-    only added partials and pipeline fills; other shapes are not swept yet."""
+    kda_o_proj@tp8 and shared_gate_up@tp8, 1.22-1.45x the former pick of 128-row tiles or two
+    CTAs an SM, whose extra splits only added partials and pipeline fills; other shapes are not
+    swept yet."""
     block_w = 64 if -(-n // 64) <= sm_count else 128
     k_tiles = -(-k // TILE_K)
     tiles_n = -(-n // block_w)
