@@ -24,9 +24,6 @@ so the combine is as parallel as the splits. Per piece the GROUPS warps take eve
 batch of UNROLL splits (16-byte loads of 4 columns per lane, a batch in flight at once),
 merge online in split order, then meet in shared memory, and warp 0 merges theirs in order
 and stores.
-
-PDL: launched as a dependent of the decode kernel, so its launch overlaps that kernel's tail; it
-waits (griddepcontrol.wait) before it reads anything the decode kernel wrote, records included.
 """
 
 from __future__ import annotations
@@ -68,7 +65,6 @@ def _merge(state: cute.Tensor, o: cute.Tensor, m_s: Float32, l_s: Float32):
 def _mla_combine_kernel(ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, info_ptr: cute.Pointer,
                         out_ptr: cute.Pointer, slots: Int32, out_rows: Int32, tile_rows: Constexpr):
     cute.arch.griddepcontrol_launch_dependents()  # a PDL-launched GEMM may start its W loads (skinny_gemm.py)
-    cute.arch.griddepcontrol_wait()  # the records and partials are the decode kernel's
     tid, _, _ = cute.arch.thread_idx()
     unit, _, _ = cute.arch.block_idx()
     lane = tid % 32
@@ -132,7 +128,7 @@ def _mla_combine_host(ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, info_ptr:
                       out_ptr: cute.Pointer, slots: Int32, out_rows: Int32, stream: cuda.CUstream,
                       tile_rows: Constexpr):
     _mla_combine_kernel(ws_o_ptr, ws_ml_ptr, info_ptr, out_ptr, slots, out_rows, tile_rows).launch(
-        grid=(slots, 1, 1), block=(32 * GROUPS, 1, 1), stream=stream, use_pdl=True)
+        grid=(slots, 1, 1), block=(32 * GROUPS, 1, 1), stream=stream)
 
 
 

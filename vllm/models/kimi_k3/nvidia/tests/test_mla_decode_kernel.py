@@ -395,8 +395,6 @@ def test_combine_compiles_for_arch(arch, tmp_path):
     assert len(re.findall(r"ld\.global\.v4\.b32", ptx)) == mla_combine.UNROLL  # a batch of splits in flight
     assert "ex2.approx" in ptx and "cvt.rn.bf16x2.f32" in ptx
     assert not re.search(r"\b(ld|st)\.local", ptx)
-    # a PDL dependent of the decode kernel: nothing it wrote is read before the wait
-    assert ptx.index("griddepcontrol.wait") < ptx.index("ld.global")
 
 
 # ---------------------------------------------------------------- GPU checks
