@@ -16,11 +16,8 @@ Envelope: o [≥ M·k, H] bf16 (the pick-major expert outputs of kernels/moe_exp
 contiguous, 16-byte aligned (ids and w 4-byte), one CUDA device. One thread owns 8 columns of
 one row (16-byte loads and stores); nothing else is fused. A thread issues all k of its o loads
 before the first add, so they take one memory latency, not k in a row (the validity branch
-around each add kept every load behind the previous pick's sum before).
-
-PDL: launched as a dependent of the experts' down pass, so its CTAs start, read ids and w (the
-router's, finished before the gate/up pass began) while the down pass runs, and wait
-(griddepcontrol.wait) before they read o.
+around each add kept every load behind the previous pick's sum before). A plain launch: a PDL
+dependent that only waits cost the whole step more than it hid (kernels/MEASURED.md, 2026-12-04).
 """
 
 from __future__ import annotations
@@ -57,14 +54,11 @@ def _combine_kernel(o_ptr: cute.Pointer, ids_ptr: cute.Pointer, w_ptr: cute.Poin
     ids = cute.make_tensor(ids_ptr, cute.make_layout(m * top_k))
     wts = cute.make_tensor(w_ptr, cute.make_layout(m * top_k))
     if vec < h // 8:
-        # ids and weights come from the router, which finished before the experts' gate/up pass
-        # began (moe_experts.py), so they are read before the wait for the down pass's o
         row_ids = cute.make_rmem_tensor(cute.make_layout(top_k), Int32)
         row_w = cute.make_rmem_tensor(cute.make_layout(top_k), Float32)
         for j in cutlass.range_constexpr(top_k):
             row_ids[j] = ids[row * top_k + j]
             row_w[j] = wts[row * top_k + j]
-        cute.arch.griddepcontrol_wait()
         # every pick's o vector in flight at once: a load under the validity branch below would
         # wait for the previous pick's sum. A padding pick loads its own (unwritten, in-bounds)
         # row and adds nothing; an expert repeated in the row was computed once, into its first
@@ -94,7 +88,7 @@ def _combine_kernel(o_ptr: cute.Pointer, ids_ptr: cute.Pointer, w_ptr: cute.Poin
 def _combine_host(o_ptr: cute.Pointer, ids_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer,
                   m: Int32, stream: cuda.CUstream, n_experts: Constexpr, top_k: Constexpr, h: Constexpr):
     _combine_kernel(o_ptr, ids_ptr, w_ptr, y_ptr, m, n_experts, top_k, h).launch(
-        grid=(m, (h // 8 + THREADS - 1) // THREADS, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
+        grid=(m, (h // 8 + THREADS - 1) // THREADS, 1), block=(THREADS, 1, 1), stream=stream)
 
 
 

@@ -48,8 +48,7 @@ PDL: both passes release their dependents first. The down pass is launched as a 
 so its CTAs group their picks and put the first W chunk in flight while the gate/up pass
 finishes, and wait (griddepcontrol.wait) before they read h. Reading the ids before that wait is
 safe because the gate/up pass is a plain launch: it starts only after the router's kernels are
-done, and the down pass cannot start before it has. The combine (kernels/moe_combine.py) is a
-PDL dependent of the down pass in the same way.
+done, and the down pass cannot start before it has.
 """
 
 from __future__ import annotations
