@@ -3,7 +3,7 @@
 `pick_tiling` picks the kernel and `choose_tiling` the warp kernel's tiling by class of shape;
 its M <= 16 rules come from this sweep's run of 2026-12-04 (kernels/README.md), its M > 16 rules
 from sweeps of 2026-12-03 (beyond 16 rows sm_90a takes the wgmma kernel, whose tiling
-`choose_wgmma_tiling` has not been measured yet). This times the
+`choose_wgmma_tiling` follows this sweep's run of 2026-12-05 on three shapes). This times the
 launchable tilings of each K3 per-rank shape beside the pick, so that the heuristic can follow
 measurements:
 
@@ -92,7 +92,8 @@ def wgmma_variants(n: int, k: int, m_atoms: int, sm_count: int) -> list[WgmmaTil
     return out
 
 
-def sweep_case(inp: ShapeInputs, m: int, copy_bw: float, arch: str, sm_count: int, deadline: float) -> dict:
+def sweep_case(inp: ShapeInputs, m: int, copy_bw: float, arch: str, sm_count: int, deadline: float,
+               wgmma_only: bool = False) -> dict:
     shape, m_atoms = inp.shape, -(-m // 8)
     pick = pick_tiling(arch, shape.n, shape.k, m_atoms, sm_count)
     rows: dict[Tiling | WgmmaTiling, dict] = {}
@@ -111,7 +112,7 @@ def sweep_case(inp: ShapeInputs, m: int, copy_bw: float, arch: str, sm_count: in
     if arch in WGMMA_ARCHS and m_atoms > 1:
         for t in wgmma_variants(shape.n, shape.k, m_atoms, sm_count):
             run(t)
-    for t in cta_shapes(shape.n, shape.k, m_atoms, sm_count):
+    for t in [] if wgmma_only else cta_shapes(shape.n, shape.k, m_atoms, sm_count):
         run(t)
     ranked = sorted((t for t, r in rows.items() if r.get("ok") and isinstance(t, Tiling)),
                     key=lambda t: rows[t]["time_us"])
@@ -138,6 +139,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", nargs="*", default=None, help="shape names (e.g. kda_in_proj@tp16)")
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop timing new candidates after this")
     ap.add_argument("--out", help="JSON file for every candidate's time")
+    ap.add_argument("--wgmma-only", action="store_true",
+                    help="time the pick and the wgmma kernel's candidates only: a few seconds a case, where the "
+                         "warp kernel's ~50 compiles take ~40 s")
     args = ap.parse_args(argv)
     require_cuda(ap)
     if not all(1 <= m <= MAX_ROWS for m in args.rows):
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     for s in shapes:
         inp = ShapeInputs(s)
         for m in args.rows:
-            r = sweep_case(inp, m, copy_bw, dev.arch, dev.sm_count, deadline)
+            r = sweep_case(inp, m, copy_bw, dev.arch, dev.sm_count, deadline, args.wgmma_only)
             results.append(r)
             pick, best = r["pick"], r["best"]
             print(f"{s.name:22s} M={m:<3d} pick {pick.get('time_us', float('nan')):7.2f} us  "

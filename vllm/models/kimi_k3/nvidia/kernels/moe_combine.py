@@ -14,7 +14,10 @@ output only in the row of its first pick (moe_experts computes it once), which e
 Envelope: o [≥ M·k, H] bf16 (the pick-major expert outputs of kernels/moe_experts.py), ids
 [M, k] int32, w [M, k] fp32, y [M, H] bf16; 1 <= M <= 64, 1 <= k <= 32, H % 8 == 0;
 contiguous, 16-byte aligned (ids and w 4-byte), one CUDA device. One thread owns 8 columns of
-one row (16-byte loads and stores); nothing else is fused.
+one row (16-byte loads and stores); nothing else is fused. A thread issues all k of its o loads
+before the first add, so they take one memory latency, not k in a row (the validity branch
+around each add kept every load behind the previous pick's sum before). A plain launch: a PDL
+dependent that only waits cost the whole step more than it hid (kernels/MEASURED.md, 2026-12-04).
 """
 
 from __future__ import annotations
@@ -51,25 +54,31 @@ def _combine_kernel(o_ptr: cute.Pointer, ids_ptr: cute.Pointer, w_ptr: cute.Poin
     ids = cute.make_tensor(ids_ptr, cute.make_layout(m * top_k))
     wts = cute.make_tensor(w_ptr, cute.make_layout(m * top_k))
     if vec < h // 8:
-        acc = cute.make_rmem_tensor(cute.make_layout(8), Float32)
-        acc.fill(0.0)
-        vals = cute.make_rmem_tensor(cute.make_layout(8), BFloat16)
         row_ids = cute.make_rmem_tensor(cute.make_layout(top_k), Int32)
+        row_w = cute.make_rmem_tensor(cute.make_layout(top_k), Float32)
         for j in cutlass.range_constexpr(top_k):
             row_ids[j] = ids[row * top_k + j]
+            row_w[j] = wts[row * top_k + j]
+        # every pick's o vector in flight at once: a load under the validity branch below would
+        # wait for the previous pick's sum. A padding pick loads its own (unwritten, in-bounds)
+        # row and adds nothing; an expert repeated in the row was computed once, into its first
+        # pick's row, which every repeat loads
+        vals = cute.make_rmem_tensor(cute.make_layout(8 * top_k), BFloat16)
+        for j in cutlass.range_constexpr(top_k):
+            first = Int32(j)
+            for q in cutlass.range_constexpr(j - 1, -1, -1):
+                if row_ids[q] == row_ids[j]:
+                    first = Int32(q)
+            cute.autovec_copy(o_vec[(0, None), (row * top_k + first, vec)],
+                              cute.make_tensor(vals.iterator + 8 * j, cute.make_layout(8)))
+        acc = cute.make_rmem_tensor(cute.make_layout(8), Float32)
+        acc.fill(0.0)
         for j in cutlass.range_constexpr(top_k):
             expert = row_ids[j]
             if expert >= 0:
                 if expert < n_experts:
-                    weight = wts[row * top_k + j]
-                    # an expert repeated in the row was computed once, into its first pick's row
-                    first = Int32(j)
-                    for q in cutlass.range_constexpr(j - 1, -1, -1):
-                        if row_ids[q] == expert:
-                            first = Int32(q)
-                    cute.autovec_copy(o_vec[(0, None), (row * top_k + first, vec)], vals)
                     for i in cutlass.range_constexpr(8):
-                        acc[i] = acc[i] + weight * vals[i].to(Float32)
+                        acc[i] = acc[i] + row_w[j] * vals[8 * j + i].to(Float32)
         res = cute.make_rmem_tensor(cute.make_layout(8), BFloat16)
         res.store(acc.load().to(BFloat16))
         cute.autovec_copy(res, y_vec[(0, None), (row, vec)])

@@ -79,16 +79,19 @@ def stages_for(block_w: int, m_atoms: int) -> int:
 
 
 def choose_wgmma_tiling(n: int, k: int, m_atoms: int, sm_count: int) -> WgmmaTiling:
-    """128 W rows a CTA (each x tile then feeds twice the W rows of a 64-row tile) unless N gives
-    fewer than a CTA for every fourth SM; K split until the grid fills two CTAs an SM, keeping at
-    least two K tiles per split and the fp32 partials (written, then read back) under a quarter
-    of W's bytes, then renumbered so that no split is empty; as many stages as let two CTAs share
-    an SM and a split has K tiles. Not yet measured: `sweep_skinny_tiling` compares it with the
-    warp-level kernel's tilings."""
-    block_w = 128 if -(-n // 128) >= sm_count // 4 else 64
+    """64 W rows a CTA while N has no more such tiles than there are SMs, else 128 (each x tile
+    then feeds twice the W rows); K split until the grid fills one CTA an SM, keeping at least two
+    K tiles per split and the fp32 partials (written, then read back) under a quarter of W's
+    bytes, then renumbered so that no split is empty; as many stages as let two CTAs share an SM
+    and a split has K tiles. One CTA an SM, not two: in `sweep_skinny_tiling` on the H200
+    (2026-12-05, M = 32 and 64) this was the fastest of all candidates on dense_down@tp16,
+    kda_o_proj@tp8 and shared_gate_up@tp8, 1.22-1.45x the former pick of 128-row tiles or two
+    CTAs an SM, whose extra splits only added partials and pipeline fills; other shapes are not
+    swept yet."""
+    block_w = 64 if -(-n // 64) <= sm_count else 128
     k_tiles = -(-k // TILE_K)
     tiles_n = -(-n // block_w)
-    wanted = max(1, min(2 * sm_count // tiles_n, k_tiles // 2, k // (16 * token_rows(m_atoms))))
+    wanted = max(1, min(sm_count // tiles_n, k_tiles // 2, k // (16 * token_rows(m_atoms))))
     per_split = -(-k_tiles // wanted)
     # no more buffers than a split has tiles: spare ones would only hold shared memory
     return WgmmaTiling(block_w, max(2, min(stages_for(block_w, m_atoms), per_split)), -(-k_tiles // per_split))

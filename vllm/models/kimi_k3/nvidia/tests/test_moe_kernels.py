@@ -333,6 +333,11 @@ def test_combine_compiles_for_arch(arch, tmp_path):
     assert f".target {arch}" in ptx
     assert "ld.global.v4" in ptx and "st.global.v4" in ptx
     assert not re.search(r"\b(ld|st)\.local", ptx)
+    # all but the first pick's o load come before the first sum (the compiler sinks pick 0's,
+    # whose row needs no lookup, to its use: still in flight with the others)
+    first_add = ptx.index("fma.rn.f32")
+    o_loads = [m.start() for m in re.finditer(r"ld\.global\.v4", ptx)]
+    assert len(o_loads) == TOP_K and sum(a < first_add for a in o_loads) >= TOP_K - 1, (first_add, o_loads)
 
 
 # ---------------------------------------------------------------- GPU checks
