@@ -86,7 +86,7 @@ def wgmma_variants(n: int, k: int, m_atoms: int, sm_count: int) -> list[WgmmaTil
     out: list[WgmmaTiling] = []
     for block_w in (64, 128):
         tiles_n = -(-n // block_w)
-        fills = [max(1, per_sm * sm_count // tiles_n) for per_sm in (1, 2, 4)]
+        fills = (per_sm * sm_count // tiles_n for per_sm in (1, 2, 4))
         for want in sorted({1, 2, 3, 4, *fills}):
             per_split = -(-k_tiles // max(1, min(want, k_tiles // 2)))
             t = WgmmaTiling(block_w, stages_for(block_w, m_atoms), -(-k_tiles // per_split))
