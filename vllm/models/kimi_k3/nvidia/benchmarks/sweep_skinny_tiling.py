@@ -17,11 +17,17 @@ runs through `bench_skinny_gemm.bench_case` (cold L2, CUDA graph of back-to-back
 filled output checked against the fp32 reference), so its time is comparable with the bench
 record. A tuning tool, not evidence: it writes no record. `--budget-s` stops early and says what
 it skipped; cases run largest weights first, since those carry most of a step.
+
+`--replay SWEEP.json` needs no GPU: it asks this tree's `pick_tiling` for each case of a sweep
+already run and reads that pick's time among the candidates the sweep timed, so a changed rule
+is judged against the measurements before any device time (picks the sweep never timed are
+counted apart, not guessed).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from dataclasses import replace
 
@@ -135,6 +141,45 @@ def label(t: dict) -> str:
     return f"R{t['row_tiles']} A{t['chunk_atoms']} {t['warps_n']}x{t['warps_k']} s{t['splits']}"
 
 
+def replay(sweep: dict, arch: str, sm_count: int) -> list[dict]:
+    """Per case of a sweep's JSON: this tree's pick and its timed time (None where the sweep did
+    not time it), the sweep's own pick and its fastest candidate. A candidate that differs from
+    the pick only in the wgmma kernel's stage count (the pick clamps stages to a split's K tiles)
+    stands in for it, marked `stages_differ`."""
+    rows = []
+    for r in sweep["results"]:
+        timed = [c for c in r["candidates"] if c.get("ok")]
+        if not timed:
+            continue
+        pick = describe(pick_tiling(arch, r["n"], r["k"], -(-r["m"] // 8), sm_count))
+        same = [c for c in timed if c["tiling"] == pick]
+        loose = [c for c in timed if {**c["tiling"], "stages": 0} == {**pick, "stages": 0}]
+        found = (same or loose or [None])[0]
+        rows.append({"shape": r["shape"], "m": r["m"], "pick": pick, "time_us": found and found["time_us"],
+                     "stages_differ": not same and bool(loose),
+                     "swept_pick_us": r["pick"].get("time_us"), "best_us": min(c["time_us"] for c in timed),
+                     "best": min(timed, key=lambda c: c["time_us"])["tiling"]})
+    return rows
+
+
+def print_replay(rows: list[dict]) -> None:
+    print(f"{'shape':22s} {'M':>3s} {'pick now':>26s} {'us':>8s} {'swept':>8s} {'best':>8s} {'now/best':>8s}")
+    for r in rows:
+        now = f"{r['time_us']:8.2f}" if r["time_us"] is not None else "  untimed"
+        ratio = f"{r['time_us'] / r['best_us']:8.3f}" if r["time_us"] is not None else ""
+        swept = r["swept_pick_us"]
+        print(f"{r['shape']:22s} {r['m']:3d} {label(r['pick']) + ('*' if r['stages_differ'] else ''):>26s} {now} "
+              f"{swept if swept is None else f'{swept:8.2f}'} {r['best_us']:8.2f} {ratio}")
+    ratios = [r["time_us"] / r["best_us"] for r in rows if r["time_us"] is not None]
+    swept = [r["swept_pick_us"] / r["best_us"] for r in rows if r["time_us"] is not None and r["swept_pick_us"]]
+    if ratios:
+        print(f"{len(ratios)} of {len(rows)} picks timed (* = another stage count): now {sum(ratios) / len(ratios):.3f}x "
+              f"the fastest on average (worst {max(ratios):.3f}x, the fastest on {sum(x == 1 for x in ratios)}); "
+              f"the sweep's own picks on those cases {sum(swept) / max(len(swept), 1):.3f}x")
+    else:
+        print(f"none of the {len(rows)} picks was timed by this sweep")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--tps", type=int, nargs="+", default=[16])
@@ -145,7 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--wgmma-only", action="store_true",
                     help="time the pick and the wgmma kernel's candidates only: a few seconds a case, where the "
                          "warp kernel's ~50 compiles take ~40 s")
+    ap.add_argument("--replay", metavar="SWEEP_JSON",
+                    help="no GPU: judge this tree's picks by a sweep's timed candidates (see above)")
     args = ap.parse_args(argv)
+    if args.replay:
+        with open(args.replay) as f:
+            sweep = json.load(f)
+        # sweeps before 2026-12-05 did not record the device: they all ran on the H200
+        print_replay(replay(sweep, sweep.get("arch", "sm_90a"), sweep.get("sm_count", 132)))
+        return 0
     require_cuda(ap)
     if not all(1 <= m <= MAX_ROWS for m in args.rows):
         ap.error(f"--rows must lie in 1..{MAX_ROWS}, got {args.rows}")
@@ -169,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"({len(r['candidates'])} timed or skipped, {len(r['failed'])} failed)", flush=True)
         del inp
         torch.cuda.empty_cache()
-    finish(results, args.budget_s, args.out, copy_bandwidth_TBps=copy_bw)
+    finish(results, args.budget_s, args.out, copy_bandwidth_TBps=copy_bw, arch=dev.arch, sm_count=dev.sm_count)
     print(f"{'shape':22s} {'M':>3s} {'pick us':>8s} {'best us':>8s} {'gain':>5s} {'best %bw':>8s}  best tiling")
     for r in results:
         pick, best = r["pick"].get("time_us"), r["best"]

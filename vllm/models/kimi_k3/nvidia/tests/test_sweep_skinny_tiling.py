@@ -105,3 +105,29 @@ def test_the_sweep_stops_at_its_budget(monkeypatch):
     monkeypatch.setattr(sweep, "bench_case", _fake_bench(None))
     r = sweep.sweep_case(SimpleNamespace(shape=shape), 1, 4.2, "sm_90a", SMS, time.monotonic() - 1)
     assert r["best"] is None and all(c.get("skipped") == "budget" for c in r["candidates"])
+
+
+def test_replay_reads_the_current_picks_time_among_the_timed_candidates(capsys):
+    """`--replay`: this tree's pick is looked up among a sweep's timed candidates (a stage count
+    apart still matches, marked), a pick the sweep never timed is reported as such, and failed
+    or skipped candidates never count as the fastest."""
+    n, k = 20480, 7168
+    pick = skinny_gemm.pick_tiling("sm_90a", n, k, 4, SMS)
+    as_timed = sweep.describe(pick)
+    other = sweep.describe(skinny_gemm.WgmmaTiling(64 if pick.block_w == 128 else 128, 2, 1))
+    restaged = {**as_timed, "stages": as_timed["stages"] + 1}
+
+    def case(m, candidates):
+        return {"shape": "lm_head@tp8", "n": n, "k": k, "m": m, "pick": {"time_us": 99.0}, "candidates": candidates}
+
+    result = {"results": [
+        case(32, [{"tiling": as_timed, "time_us": 80.0, "ok": True}, {"tiling": other, "time_us": 64.0, "ok": True},
+                  {"tiling": other, "time_us": 1.0, "ok": False}, {"tiling": other, "skipped": "budget"}]),
+        case(24, [{"tiling": restaged, "time_us": 70.0, "ok": True}]),
+        case(17, [{"tiling": other, "time_us": 50.0, "ok": True}]),
+    ]}
+    rows = sweep.replay(result, "sm_90a", SMS)
+    assert [(r["time_us"], r["best_us"], r["stages_differ"]) for r in rows] == \
+        [(80.0, 64.0, False), (70.0, 70.0, True), (None, 50.0, False)]
+    sweep.print_replay(rows)
+    assert "2 of 3 picks timed" in capsys.readouterr().out
