@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -135,10 +136,11 @@ def test_tilings_cover_every_shape_and_row_count():
 
 # ---------------------------------------------------------------- compile checks (CPU)
 
-COMPILE_CASES = [  # (shape name, m_atoms): split-K with fp32 out, K tail (2112 % 128), tiny K
+COMPILE_CASES = [  # (shape name, m_atoms): split-K with fp32 out, K tail (2112 % 128), tiny K, L2 prefetch
     ("moe_router@tp8", 1),
     ("dense_down@tp16", 5),
     ("kda_f_b@tp16", 8),
+    ("kda_in_proj@tp16", 1),
 ]
 
 
@@ -159,6 +161,27 @@ def test_compiles_for_arch(arch, name, m_atoms, tmp_path):
     order = [ptx.index(op) for op in ("griddepcontrol.launch_dependents", "ld.global.v4", "griddepcontrol.wait",
                                       "mma.sync")]
     assert order == sorted(order), order
+    # the next rounds of W requested into L2 before the wait, where the rule gives any
+    assert ("prefetch.global.L2" in ptx) == (t.prefetch_rounds > 0), t
+    if t.prefetch_rounds:
+        assert ptx.index("prefetch.global.L2") < ptx.index("griddepcontrol.wait")
+
+
+def test_l2_prefetch_stays_within_its_budget_and_the_split():
+    """Where the rule requests W rounds into L2 before the PDL wait (up to 8 rows: beyond, the
+    register cap for two 16-warp CTAs an SM leaves no room for the request loop), the grid's
+    requests fit L2_PREFETCH_BYTES, and no warp is asked for a round its split does not have."""
+    prefetching = 0
+    for s in SHAPES:
+        for m_atoms in (1, 2, 8):
+            t = skinny_gemm.choose_tiling(s.n, s.k, m_atoms, 132)
+            per_split = -(-(-(-s.k // t.chunk_k)) // t.splits)  # the first split's chunks, the most
+            assert 0 <= t.prefetch_rounds <= -(-per_split // t.warps_k) - 1, (s.name, m_atoms, t)
+            grid_bytes = t.tiles_n(s.n) * t.splits * t.block_n * t.warps_k * t.chunk_k * 2 * t.prefetch_rounds
+            assert grid_bytes <= skinny_gemm.L2_PREFETCH_BYTES, (s.name, m_atoms, t)
+            prefetching += t.prefetch_rounds > 0
+            assert m_atoms == 1 or t.prefetch_rounds == 0, (s.name, m_atoms, t)
+    assert prefetching, "the rule never prefetches"
 
 
 def test_every_pick_fits_the_residency_it_was_chosen_for(tmp_path):
@@ -213,7 +236,8 @@ def test_small_m_tilings_follow_the_sweep():
     """The picks at M <= 16 are the sweep's best (2026-12-04, TP16): 16 warps along K for long K
     or few N tiles, 2 × 8 where K is moderate and N fills the SMs, 2 × 3 of 128-wide chunks for
     short K."""
-    pick = {s.name: skinny_gemm.choose_tiling(s.n, s.k, 1, 132) for s in k3_gemm_shapes()}
+    # the cut only: the L2 prefetch depth follows from it (test_l2_prefetch_...)
+    pick = {s.name: replace(skinny_gemm.choose_tiling(s.n, s.k, 1, 132), prefetch_rounds=0) for s in k3_gemm_shapes()}
     deep = skinny_gemm.Tiling(1, 4, 2, 1, 16, 1)
     for name in ("lm_head@tp16", "dense_gate_up@tp16", "moe_latent_down@tp16", "kda_in_proj@tp16",
                  "mla_fused_a@tp16", "mla_q_b@tp16"):
