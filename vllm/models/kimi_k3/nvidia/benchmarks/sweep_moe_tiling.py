@@ -12,12 +12,15 @@ launches read different experts, so the L2 stays cold, as in bench_moe.py); its 
 equal the pick's within the kernel test's bound (warps_k reorders the fp32 sums). Prints per
 (TP, M, pass) the pick's time, the fastest candidate's and its tiling; the JSON holds every
 candidate. A tuning tool, not evidence: it writes no record. Compiles are serial and take
-seconds each, so `--budget-s` stops early and says what it skipped.
+seconds each, so `--budget-s` stops early and says what it skipped. `--replay SWEEP.json` needs
+no GPU: it judges this tree's `choose_tiling` by a finished sweep's timed candidates
+(`sweeps.replay`).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import time
 from dataclasses import asdict
 
@@ -33,7 +36,7 @@ from ..latency_specialized.config import PRESETS
 from ..reference.dense_mlp import activation_clips
 from .bench_moe import expert_weights, uniform_routing
 from .bench_skinny_gemm import require_cuda, time_graph
-from .sweeps import finish
+from .sweeps import finish, print_replay, replay
 
 K3 = PRESETS["k3"]
 ROUTING_SETS = 16
@@ -106,6 +109,16 @@ def sweep_pass(tp: int, gate_up: bool, m: int, w: torch.Tensor, xs: list[torch.T
             "pick": rows[0], "best": best, "candidates": rows}
 
 
+def replay_picks(sweep: dict, sm_count: int) -> list[dict]:
+    """`sweeps.replay` with this tree's `choose_tiling`, for the step's selected experts as
+    `sweep_pass` asks it."""
+    def pick_of(r: dict) -> dict:
+        experts = min(r["m"] * K3.num_experts_per_token, K3.num_experts)
+        return asdict(moe_experts.choose_tiling(r["pass"] == "gate_up", r["n_out"], r["k"], -(-r["m"] // 8), experts,
+                                                sm_count))
+    return replay(sweep["results"], pick_of)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     # ~30 candidates per pass at a few seconds each: the defaults fit one ten-minute GPU call
@@ -113,7 +126,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, nargs="+", default=[1, 64])
     ap.add_argument("--budget-s", type=float, default=420.0, help="stop compiling new candidates after this")
     ap.add_argument("--out", help="JSON file for every candidate's time")
+    ap.add_argument("--replay", metavar="SWEEP_JSON",
+                    help="no GPU: judge this tree's picks by a finished sweep's timed candidates")
     args = ap.parse_args(argv)
+    if args.replay:
+        with open(args.replay) as f:
+            sweep = json.load(f)
+        # sweeps before 2026-12-05 did not record the device: they all ran on the H200
+        print_replay(replay_picks(sweep, sweep.get("sm_count", 132)), lambda r: f"TP{r['tp']} M={r['m']} {r['pass']}",
+                     lambda t: "R{row_tiles} A{chunk_atoms} {warps_n}x{warps_k}".format(**t))
+        return 0
     require_cuda(ap)
     deadline = time.monotonic() + args.budget_s
     gen = torch.Generator(device="cuda").manual_seed(0)
@@ -135,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
                       f"{best['tiling'] if best else '-'}  ({len(r['candidates'])} candidates)", flush=True)
         del w13, w2
         torch.cuda.empty_cache()
-    finish(results, args.budget_s, args.out)
+    finish(results, args.budget_s, args.out, sm_count=facts(torch.device("cuda")).sm_count)
     return 0
 
 

@@ -37,7 +37,7 @@ from ..kernels.device import facts
 from ..kernels.skinny_gemm import MAX_ROWS, WGMMA_ARCHS, Tiling, WgmmaTiling, pick_tiling
 from ..kernels.skinny_gemm_wgmma import TILE_K, stages_for
 from .bench_skinny_gemm import ShapeInputs, bench_case, copy_bandwidth_TBps, describe, require_cuda, unique_shapes
-from .sweeps import finish
+from .sweeps import finish, print_replay, replay
 
 REGS_PER_SM = 65536
 SHAPES_OF_CTA = ((1, 4), (2, 2), (4, 1), (1, 8), (2, 4), (4, 2), (8, 1), (1, 16), (2, 8), (4, 4))
@@ -141,43 +141,11 @@ def label(t: dict) -> str:
     return f"R{t['row_tiles']} A{t['chunk_atoms']} {t['warps_n']}x{t['warps_k']} s{t['splits']}"
 
 
-def replay(sweep: dict, arch: str, sm_count: int) -> list[dict]:
-    """Per case of a sweep's JSON: this tree's pick and its timed time (None where the sweep did
-    not time it), the sweep's own pick and its fastest candidate. A candidate that differs from
-    the pick only in the wgmma kernel's stage count (the pick clamps stages to a split's K tiles)
-    stands in for it, marked `stages_differ`."""
-    rows = []
-    for r in sweep["results"]:
-        timed = [c for c in r["candidates"] if c.get("ok")]
-        if not timed:
-            continue
-        pick = describe(pick_tiling(arch, r["n"], r["k"], -(-r["m"] // 8), sm_count))
-        same = [c for c in timed if c["tiling"] == pick]
-        loose = [c for c in timed if {**c["tiling"], "stages": 0} == {**pick, "stages": 0}]
-        found = (same or loose or [None])[0]
-        rows.append({"shape": r["shape"], "m": r["m"], "pick": pick, "time_us": found and found["time_us"],
-                     "stages_differ": not same and bool(loose),
-                     "swept_pick_us": r["pick"].get("time_us"), "best_us": min(c["time_us"] for c in timed),
-                     "best": min(timed, key=lambda c: c["time_us"])["tiling"]})
-    return rows
-
-
-def print_replay(rows: list[dict]) -> None:
-    print(f"{'shape':22s} {'M':>3s} {'pick now':>26s} {'us':>8s} {'swept':>8s} {'best':>8s} {'now/best':>8s}")
-    for r in rows:
-        now = f"{r['time_us']:8.2f}" if r["time_us"] is not None else "  untimed"
-        ratio = f"{r['time_us'] / r['best_us']:8.3f}" if r["time_us"] is not None else ""
-        swept = r["swept_pick_us"]
-        print(f"{r['shape']:22s} {r['m']:3d} {label(r['pick']) + ('*' if r['stages_differ'] else ''):>26s} {now} "
-              f"{swept if swept is None else f'{swept:8.2f}'} {r['best_us']:8.2f} {ratio}")
-    ratios = [r["time_us"] / r["best_us"] for r in rows if r["time_us"] is not None]
-    swept = [r["swept_pick_us"] / r["best_us"] for r in rows if r["time_us"] is not None and r["swept_pick_us"]]
-    if ratios:
-        print(f"{len(ratios)} of {len(rows)} picks timed (* = another stage count): now {sum(ratios) / len(ratios):.3f}x "
-              f"the fastest on average (worst {max(ratios):.3f}x, the fastest on {sum(x == 1 for x in ratios)}); "
-              f"the sweep's own picks on those cases {sum(swept) / max(len(swept), 1):.3f}x")
-    else:
-        print(f"none of the {len(rows)} picks was timed by this sweep")
+def replay_picks(sweep: dict, arch: str, sm_count: int) -> list[dict]:
+    """`sweeps.replay` with this tree's `pick_tiling`; a candidate that differs from the pick only in
+    the wgmma kernel's stage count (the pick clamps stages to a split's K tiles) stands in for it."""
+    return replay(sweep["results"], lambda r: describe(pick_tiling(arch, r["n"], r["k"], -(-r["m"] // 8), sm_count)),
+                  lambda c, pick: {**c, "stages": 0} == {**pick, "stages": 0})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -197,7 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.replay) as f:
             sweep = json.load(f)
         # sweeps before 2026-12-05 did not record the device: they all ran on the H200
-        print_replay(replay(sweep, sweep.get("arch", "sm_90a"), sweep.get("sm_count", 132)))
+        print_replay(replay_picks(sweep, sweep.get("arch", "sm_90a"), sweep.get("sm_count", 132)),
+                     lambda r: f"{r['shape']} M={r['m']}", label)
         return 0
     require_cuda(ap)
     if not all(1 <= m <= MAX_ROWS for m in args.rows):

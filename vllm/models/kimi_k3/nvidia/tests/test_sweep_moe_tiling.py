@@ -39,3 +39,23 @@ def test_a_candidate_other_than_the_pick_compiles(tmp_path):
     ptx = moe_experts.compile_expert_gemv(True, K3.num_experts, K3.num_experts_per_token, inter, H, 1, 4.0, 25.0,
                                           other, "sm_90a", ptx_dir=str(tmp_path)).artifacts.PTX
     assert "mma.sync.aligned.m16n8k16" in ptx
+
+
+def test_replay_asks_choose_tiling_for_the_steps_experts(capsys):
+    """`--replay`: per case the pick `sweep_pass` would make (with the step's selected experts, so
+    gate/up at TP16 and one row takes 8-output warps) is looked up among the timed candidates."""
+    from dataclasses import asdict
+
+    from vllm.models.kimi_k3.nvidia.benchmarks import sweep_moe_tiling as sweep
+
+    inter = moe_experts.read_width(K3.moe_intermediate_size // 16)  # the 192 real columns the pass reads
+    pick = moe_experts.choose_tiling(True, inter, H, 1, K3.num_experts_per_token, 132)
+    assert pick.row_tiles == 1  # the step's experts change the pick: a replay without them would miss it
+    other = next(t for t in candidates(True, inter, H, 1) if t != pick)
+    result = {"results": [{"tp": 16, "m": 1, "pass": "gate_up", "n_out": inter, "k": H, "pick": {"time_us": 13.0},
+                           "candidates": [{"tiling": asdict(pick), "time_us": 13.0, "ok": True},
+                                          {"tiling": asdict(other), "time_us": 12.0, "ok": True}]}]}
+    rows = sweep.replay_picks(result, 132)
+    assert [(r["time_us"], r["best_us"]) for r in rows] == [(13.0, 12.0)]
+    sweep.print_replay(rows, lambda r: "case")
+    assert "1 of 1 picks timed" in capsys.readouterr().out

@@ -126,8 +126,8 @@ def test_replay_reads_the_current_picks_time_among_the_timed_candidates(capsys):
         case(24, [{"tiling": restaged, "time_us": 70.0, "ok": True}]),
         case(17, [{"tiling": other, "time_us": 50.0, "ok": True}]),
     ]}
-    rows = sweep.replay(result, "sm_90a", SMS)
-    assert [(r["time_us"], r["best_us"], r["stages_differ"]) for r in rows] == \
+    rows = sweep.replay_picks(result, "sm_90a", SMS)
+    assert [(r["time_us"], r["best_us"], r["stand_in"]) for r in rows] == \
         [(80.0, 64.0, False), (70.0, 70.0, True), (None, 50.0, False)]
-    sweep.print_replay(rows)
+    sweep.print_replay(rows, lambda r: f"{r['shape']} M={r['m']}", sweep.label)
     assert "2 of 3 picks timed" in capsys.readouterr().out
