@@ -488,13 +488,14 @@ _COMPILED: dict[tuple, Any] = {}
 def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
            out_dtype: torch.dtype = torch.bfloat16, stream: torch.cuda.Stream | None = None,
            tiling: Tiling | WgmmaTiling | None = None, scale: float | None = None, addend: torch.Tensor | None = None,
-           gate: torch.Tensor | None = None) -> torch.Tensor:
+           gate: torch.Tensor | None = None, l2_prefetch: bool = True) -> torch.Tensor:
     """y = x · wᵀ (per head for 3-D x and w) into `out` (allocated when None) on `stream` (default:
     the current stream), through at most one epilogue: `scale`, `addend` or `gate`.
 
     The first call of a shape compiles (seconds); later calls only launch. Beyond 16 rows of 2-D x
     on sm_90a the step runs `skinny_gemm_wgmma`'s kernel. `tiling` overrides the heuristic and,
-    by its type, the kernel (benchmarks use it to compare tilings).
+    by its type, the kernel (benchmarks use it to compare tilings). `l2_prefetch=False` drops the
+    pick's L2 requests before the PDL wait (`l2_prefetch_rounds`), to measure what they gain.
     """
     chosen = [(kind, v) for kind, v in (("scale", scale), ("add", addend), ("gate", gate)) if v is not None]
     if len(chosen) > 1:
@@ -508,6 +509,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
     m_atoms = -(-m // 8)
     if tiling is None:
         tiling = pick_tiling(dev.arch, n, k, m_atoms, dev.sm_count, heads)
+        if not l2_prefetch and isinstance(tiling, Tiling):
+            tiling = replace(tiling, prefetch_rounds=0)
     elif isinstance(tiling, WgmmaTiling) and not (dev.arch in WGMMA_ARCHS and heads == 1):
         raise SkinnyGemmEnvelopeError(f"skinny_gemm: a WgmmaTiling needs 2-D x on one of {WGMMA_ARCHS}, got "
                                       f"{heads} heads on {dev.arch}; pass a Tiling or none")
