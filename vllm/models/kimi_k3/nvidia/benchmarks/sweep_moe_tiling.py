@@ -20,7 +20,6 @@ no GPU: it judges this tree's `choose_tiling` by a finished sweep's timed candid
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import asdict
 
@@ -36,7 +35,7 @@ from ..latency_specialized.config import PRESETS
 from ..reference.dense_mlp import activation_clips
 from .bench_moe import expert_weights, uniform_routing
 from .bench_skinny_gemm import require_cuda, time_graph
-from .sweeps import finish, print_replay, replay
+from .sweeps import finish, load, print_replay, replay
 
 K3 = PRESETS["k3"]
 ROUTING_SETS = 16
@@ -130,10 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="no GPU: judge this tree's picks by a finished sweep's timed candidates")
     args = ap.parse_args(argv)
     if args.replay:
-        with open(args.replay) as f:
-            sweep = json.load(f)
-        # sweeps before 2026-12-05 did not record the device: they all ran on the H200
-        print_replay(replay_picks(sweep, sweep.get("sm_count", 132)), lambda r: f"TP{r['tp']} M={r['m']} {r['pass']}",
+        sweep = load(args.replay)
+        print_replay(replay_picks(sweep, sweep["sm_count"]), lambda r: f"TP{r['tp']} M={r['m']} {r['pass']}",
                      lambda t: "R{row_tiles} A{chunk_atoms} {warps_n}x{warps_k}".format(**t))
         return 0
     require_cuda(ap)

@@ -27,7 +27,6 @@ counted apart, not guessed).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from dataclasses import replace
 
@@ -37,7 +36,7 @@ from ..kernels.device import facts
 from ..kernels.skinny_gemm import MAX_ROWS, WGMMA_ARCHS, Tiling, WgmmaTiling, pick_tiling
 from ..kernels.skinny_gemm_wgmma import TILE_K, stages_for
 from .bench_skinny_gemm import ShapeInputs, bench_case, copy_bandwidth_TBps, describe, require_cuda, unique_shapes
-from .sweeps import finish, print_replay, replay
+from .sweeps import finish, load, print_replay, replay
 
 REGS_PER_SM = 65536
 SHAPES_OF_CTA = ((1, 4), (2, 2), (4, 1), (1, 8), (2, 4), (4, 2), (8, 1), (1, 16), (2, 8), (4, 4))
@@ -162,11 +161,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="no GPU: judge this tree's picks by a sweep's timed candidates (see above)")
     args = ap.parse_args(argv)
     if args.replay:
-        with open(args.replay) as f:
-            sweep = json.load(f)
-        # sweeps before 2026-12-05 did not record the device: they all ran on the H200
-        print_replay(replay_picks(sweep, sweep.get("arch", "sm_90a"), sweep.get("sm_count", 132)),
-                     lambda r: f"{r['shape']} M={r['m']}", label)
+        sweep = load(args.replay)
+        print_replay(replay_picks(sweep, sweep["arch"], sweep["sm_count"]), lambda r: f"{r['shape']} M={r['m']}", label)
         return 0
     require_cuda(ap)
     if not all(1 <= m <= MAX_ROWS for m in args.rows):

@@ -24,6 +24,13 @@ def finish(results: list[dict], budget_s: float, out: str | None, **header: obje
             json.dump({"gpu": torch.cuda.get_device_name(), **header, "results": results}, f, indent=1)
 
 
+def load(path: str) -> dict:
+    """A finished sweep's JSON for `--replay`, with the device it ran on: sweeps before
+    2026-12-05 did not record it, and they all ran on the H200 (sm_90a, 132 SMs)."""
+    with open(path) as f:
+        return {"arch": "sm_90a", "sm_count": 132, **json.load(f)}
+
+
 def replay(results: list[dict], pick_of: Callable[[dict], dict],
            stand_in: Callable[[dict, dict], bool] | None = None) -> list[dict]:
     """Per result with timed candidates: the tiling `pick_of(result)` gives now (this tree's rule)
@@ -39,13 +46,12 @@ def replay(results: list[dict], pick_of: Callable[[dict], dict],
         same = [c for c in timed if c["tiling"] == pick]
         near = [c for c in timed if stand_in is not None and stand_in(c["tiling"], pick)]
         found = (same or near or [None])[0]
-        best = min(timed, key=lambda c: c["time_us"])
         rows.append({"case": r, "pick": pick, "time_us": found and found["time_us"], "stand_in": not same and bool(near),
-                     "swept_pick_us": r["pick"].get("time_us"), "best_us": best["time_us"], "best": best["tiling"]})
+                     "swept_pick_us": r["pick"].get("time_us"), "best_us": min(c["time_us"] for c in timed)})
     return rows
 
 
-def print_replay(rows: list[dict], case_name: Callable[[dict], str], label: Callable[[dict], str] = str) -> None:
+def print_replay(rows: list[dict], case_name: Callable[[dict], str], label: Callable[[dict], str]) -> None:
     """The replay's table, then how this tree's picks compare with the fastest candidates."""
     print(f"{'case':30s} {'pick now':>30s} {'us':>8s} {'swept':>8s} {'best':>8s} {'now/best':>8s}")
     for r in rows:

@@ -57,5 +57,5 @@ def test_replay_asks_choose_tiling_for_the_steps_experts(capsys):
                                           {"tiling": asdict(other), "time_us": 12.0, "ok": True}]}]}
     rows = sweep.replay_picks(result, 132)
     assert [(r["time_us"], r["best_us"]) for r in rows] == [(13.0, 12.0)]
-    sweep.print_replay(rows, lambda r: "case")
+    sweep.print_replay(rows, lambda r: "case", str)
     assert "1 of 1 picks timed" in capsys.readouterr().out
