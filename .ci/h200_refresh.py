@@ -1,6 +1,11 @@
 """The stale evidence records' refresh commands as `step` lines of .ci/h200_call.sh, for the H200.
 
     source .ci/h200_call.sh; refresh_stale
+    python3 .ci/h200_refresh.py --evidence "$EVIDENCE" --commands   # a CI runner (gpu-run.yml)
+
+With `--commands` the same rewritten commands come as plain bash lines, for a GPU runner of CI:
+after the workflow's own steps, what is still stale in its evidence folder is run again as its
+record says it was made, so the workflow and the committed records cannot drift apart.
 
 A record's command is written as it was run (`python`, `pytest`, `k3-decode`, `--out` to the
 device's evidence folder of that day, `K3_EVIDENCE_DIR=<dir>`), so this rewrites each into what
@@ -155,20 +160,47 @@ def by_priority(records: list[Record]) -> list[Record]:
     return sorted(records, key=key)
 
 
+def _commands(records: list[Record]) -> list[tuple[Record, str | None]]:
+    """Each record with its refresh command as bash text ($K3_EVIDENCE_DIR left for bash to expand),
+    None where its form is unknown; a command shared by several records only with the first."""
+    out, seen = [], set()
+    for record in records:
+        cmd = device_command(record)
+        text = None if cmd is None else re.sub(r"'(\$K3_EVIDENCE_DIR[^']*)'", r'"\1"', shlex.join(cmd))
+        if text is None or text not in seen:
+            out.append((record, text))
+            seen.add(text)
+    return out
+
+
+def _skipped(record: Record, why: str) -> str:
+    return f"echo {shlex.quote(f'=== {Path(record.rel).stem}: skipped, {why}')}"
+
+
+def command_lines(records: list[Record]) -> list[str]:
+    """The refresh as plain bash lines, one per distinct command, for a CI runner (gpu-run.yml):
+    no `step`, budget or lanes, the runner's job limit governs. GPU coverage, which the device
+    records through h200_call.sh's `record_coverage`, is the workflow's own step there."""
+    lines = []
+    for record, text in _commands(records):
+        if text is None:
+            lines.append(_skipped(record, f"no rewrite for: {record.command}"))
+        elif text.startswith("record_coverage "):
+            lines.append(_skipped(record, "GPU coverage is recorded by the workflow's coverage step"))
+        else:
+            lines.append(text)
+    return lines
+
+
 def step_lines(records: list[Record]) -> list[str]:
     """One `[EXPECT=S] step NAME LIMIT CMD` line per distinct command, $K3_EVIDENCE_DIR left for
     bash to expand."""
-    lines, seen = [], set()
-    for record in records:
+    lines = []
+    for record, text in _commands(records):
         name = Path(record.rel).stem
-        cmd = device_command(record)
-        if cmd is None:
-            lines.append(f"echo {shlex.quote(f'=== {name}: skipped, no rewrite for: {record.command}')}")
+        if text is None:
+            lines.append(_skipped(record, f"no rewrite for: {record.command}"))
             continue
-        text = re.sub(r"'(\$K3_EVIDENCE_DIR[^']*)'", r'"\1"', shlex.join(cmd))
-        if text in seen:
-            continue
-        seen.add(text)
         limit = LIMIT_BY_FILE.get(Path(record.rel).name, LIMIT_BY_KIND.get(record.kind, DEFAULT_LIMIT))
         wall = _last_wall_s(record)
         if wall is not None:  # its last run's time, with headroom
@@ -288,6 +320,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gpus", type=int, default=1, help="GPUs of the lent host to spread the steps over (default 1)")
     ap.add_argument("--lanes", type=int, default=1,
                     help="checks run side by side on each GPU, the timed records after them alone (default 1)")
+    ap.add_argument("--evidence", default=None,
+                    help="only the records in this folder (a CI runner's evidence/<kind>/; default: all)")
+    ap.add_argument("--commands", action="store_true",
+                    help="plain bash lines, one per command, for a CI runner (gpu-run.yml): no step, budget or lanes")
     args = ap.parse_args(argv)
     if args.gpus < 1:
         sys.exit(f"h200_refresh: --gpus must be at least 1, got {args.gpus}")
@@ -301,6 +337,15 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"h200_refresh: {len(models)} model folders here; pass --model DIR")
     (model,) = models
     records = by_priority(gpu_records(stale_records(model)))
+    if args.evidence is not None:
+        folder = (Path.cwd() / args.evidence).resolve()
+        if not folder.is_dir():
+            sys.exit(f"h200_refresh: --evidence {args.evidence}: no such folder; pass the runner kind's "
+                     "evidence folder, e.g. vllm/models/kimi_k3/nvidia/evidence/h200")
+        records = [r for r in records if (model.root / r.rel).resolve().parent == folder]
+    if args.commands:  # a CI runner's GPU-test step has run every GPU test, recorded or not
+        print("\n".join(command_lines(records)))
+        return 0
     lines = step_lines(records) + unrecorded_steps(model.path, model.root)
     timed = frozenset(Path(r.rel).stem for r in records if r.kind in TIMED_KINDS)
     print("\n".join(on_gpus(lines, args.gpus, args.lanes, timed, frozenset(Path(n).stem for n in HOLDS_A_BLOCK))))

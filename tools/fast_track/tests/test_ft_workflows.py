@@ -2,6 +2,7 @@
 
 import json
 import re
+import shlex
 import shutil
 import subprocess
 from pathlib import Path
@@ -10,6 +11,7 @@ import pytest
 import yaml
 
 from ..cli import _parser
+from ..records import expand_sources
 
 ROOT = Path(__file__).resolve().parents[3]
 WORKFLOWS = ROOT / ".github" / "workflows"
@@ -81,7 +83,77 @@ def test_gpu_steps_call_only_modules_and_subcommands_that_exist():
     known = set(_parser()._subparsers._group_actions[0].choices)
     assert subcommands and subcommands <= known, subcommands - known
     for source in re.findall(r'--source "\$MODEL/([\w/.]+)"', scripts):
-        assert (ROOT / "vllm/models/kimi_k3/nvidia" / source).is_file(), source
+        assert (ROOT / "vllm/models/kimi_k3/nvidia" / source).exists(), source
     tests = "\n".join(p.read_text() for p in (ROOT / "vllm/models/kimi_k3/nvidia/tests").glob("test_*.py"))
-    for selected in re.findall(r"pytest -q -k (\w+)", scripts):
+    selections = [w for c in _commands("gpu-run.yml") for i, a in enumerate(c) if a == "-k" for w in c[i + 1].split()]
+    assert selections, "the GPU workflow selects no test with -k"
+    for selected in set(selections) - {"and", "or", "not"}:
         assert re.search(rf"def test_\w*{selected}", tests), f"-k {selected} selects no test"
+
+
+MODEL = "vllm/models/kimi_k3/nvidia"
+H200 = ROOT / MODEL / "evidence" / "h200"
+OUT_FLAGS = ("--out", "--table", "--out-dir")
+
+
+def _commands(name):
+    """Each command of the workflow's run scripts as its words, continuation lines joined and
+    $MODEL set; comments dropped."""
+    out = []
+    for script in _run_scripts(name):
+        for line in script.replace("\\\n", " ").splitlines():
+            words = shlex.split(line.replace("$MODEL", MODEL), comments=True)
+            if words:
+                out.append(words)
+    return out
+
+
+def _record_written(words):
+    """The committed H200 record a workflow command writes (its file name), or None."""
+    for i, a in enumerate(words[:-1]):
+        if a == "--out" and words[i + 1].startswith("$EVIDENCE"):
+            name = words[i + 1].removeprefix("$EVIDENCE").strip("/")
+            if not name and "--name" in words:  # decode_latency: a folder and the record's name
+                name = words[words.index("--name") + 1] + ".json"
+            return name if name.endswith(".json") else None  # a plot is no record
+    return None
+
+
+def _as_run(words):
+    """A command's words with where it writes left out and `python3` read as `python`; the runner
+    kind's TP sizes (`--tps $TP`) are the benchmark's default on the H200 (gpu.yml)."""
+    out, skip = [], False
+    for i, a in enumerate(words):
+        if skip:
+            skip = False
+        elif a in OUT_FLAGS or (a == "--tps" and words[i + 1] == "$TP"):
+            skip = True
+        else:
+            out.append("python" if a == "python3" else a)
+    return out
+
+
+def test_the_gpu_workflow_writes_the_committed_records_as_they_were_made():
+    """A record the GPU workflow writes keeps its committed name, command and sources: a workflow
+    that drifted from the records (a sanitizer record without gemm_store.py, the split-K counters'
+    file, which item 9 then found unchecked; features over 5 files where the record hashes 58;
+    kernels-coverage.json beside kernels_coverage.json) refreshes nothing, and the gate fails."""
+    assert _workflow("gpu.yml")["jobs"]["h200"]["with"]["tp"].split() == ["1", "8", "16"]
+    written = [(w, _record_written(w)) for w in _commands("gpu-run.yml")]
+    written = [(w, name) for w, name in written if name]
+    for words, name in written:
+        path = H200 / name
+        assert path.is_file(), f"{name}: the workflow writes a record that is not committed ({' '.join(words)})"
+        record = json.loads(path.read_text())
+        command = shlex.split(record["command"])
+        if words[:2] in (["fast-track", "record-sanitizer"], ["fast-track", "record-tests"]):
+            sources = [words[i + 1] for i, a in enumerate(words) if a == "--source"]
+            kept = [s for s in record["sources"] if (ROOT / s).exists()]
+            assert set(expand_sources(ROOT, sources)) >= set(kept), f"{name}: the workflow hashes less than the record"
+            inner = command[command.index("python3"):] if words[1] == "record-sanitizer" else command
+            assert _as_run(words[words.index("--") + 1:]) == _as_run(inner), name
+        elif words[:2] == ["fast-track", "record-coverage"]:
+            assert words[words.index("--command") + 1] == record["command"], name
+        else:
+            assert _as_run(words) == _as_run(command), name
+    assert len(written) >= 8, written  # coverage, features, three sanitizer runs, decode, eval, skinny bench

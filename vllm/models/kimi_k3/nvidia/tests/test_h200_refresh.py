@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -117,6 +118,32 @@ def test_a_shared_command_runs_once_and_an_unknown_one_is_said_not_run():
                                 _record("make bench", "odd.json")])
     assert sum(line.startswith("step ") for line in lines) == 1
     assert lines[-1].startswith("echo ") and "odd" in lines[-1] and "make bench" in lines[-1]
+
+
+def test_for_a_ci_runner_the_commands_come_as_plain_lines_without_step_or_coverage(tmp_path):
+    """`--commands` (gpu-run.yml): each distinct command once, as bash runs it, coverage and unknown
+    forms said and not run; `--evidence` keeps one runner kind's folder and refuses a missing one."""
+    norms = "python -m vllm.models.kimi_k3.nvidia.benchmarks.bench_norms --out-dir /root/out/w/ev"
+    lines = refresh.command_lines([
+        _record(norms, "norm_bench.json", "kernel-bench"), _record(norms, "attn_res_bench.json", "kernel-bench"),
+        _record("coverage run --source=vllm/models/kimi_k3/nvidia/kernels -m pytest -q -m gpu "
+                "vllm/models/kimi_k3/nvidia/tests/test_specialized_steps_cuda.py", "kernels_coverage.json"),
+        _record("make bench", "odd.json")])
+    assert len(lines) == 3 and lines[1].startswith("echo ") and lines[2].startswith("echo ")
+    assert "kernels_coverage" in lines[1] and "make bench" in lines[2]
+    script = tmp_path / "refresh.sh"
+    script.write_text("K3_EVIDENCE_DIR=/ev\npython3() { printf '%s\\0' \"$@\"; printf '\\n'; }\n" + "\n".join(lines))
+    out = subprocess.run(["bash", "-e", str(script)], capture_output=True, text=True, check=True).stdout
+    (bench, *said) = out.splitlines()
+    assert bench.rstrip("\0").split("\0") == ["-m", "vllm.models.kimi_k3.nvidia.benchmarks.bench_norms",
+                                                "--out-dir", "/ev"]
+    assert len(said) == 2 and all(line.startswith("=== ") for line in said)
+    cpu = subprocess.run([sys.executable, ".ci/h200_refresh.py", "--evidence", "vllm/models/kimi_k3/nvidia/evidence/cpu",
+                          "--commands"], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert cpu.stdout.strip() == ""  # records made on a CPU are never the runner's
+    missing = subprocess.run([sys.executable, ".ci/h200_refresh.py", "--evidence", "vllm/models/kimi_k3/nvidia/evidence/none",
+                              "--commands"], cwd=ROOT, capture_output=True, text=True)
+    assert missing.returncode != 0 and "--evidence vllm/models/kimi_k3/nvidia/evidence/none: no such folder" in missing.stderr
 
 
 def test_records_made_on_a_cpu_are_left_to_the_cpu():
