@@ -1,0 +1,75 @@
+"""benchmarks/bench_moe_layer.py on the CPU: the floor counts every weight of the layer once and
+the selected experts, routing agreement compares expert sets, and each target is judged on its
+worst case, the speedups against the compiled standard layer where --compile ran, else the
+graphed one (named so), never the eager reference."""
+
+import pytest
+
+pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install nvidia-cutlass-dsl==4.8.1)")
+
+import torch  # noqa: E402
+
+from vllm.models.kimi_k3.nvidia.benchmarks.bench_moe_layer import (layer_bytes, routing_agreement,  # noqa: E402
+                                                                    targets_of)
+from vllm.models.kimi_k3.nvidia.evals.tiny import config_named  # noqa: E402
+from vllm.models.kimi_k3.nvidia.latency_specialized.weights import RandomSource, load_rank  # noqa: E402
+from vllm.models.kimi_k3.nvidia.reference.params import MoEWeights  # noqa: E402
+
+
+def test_the_floor_counts_each_dense_weight_once_and_the_selected_experts():
+    cfg = config_named("tiny")
+    w = next(lw.mlp for lw in load_rank(RandomSource(cfg, seed=0), cfg, tp=1, rank=0).layers
+             if isinstance(lw.mlp, MoEWeights))
+    dense = sum(t.numel() * t.element_size() for t in (w.router, w.bias, w.latent_down, w.latent_norm,
+                                                        w.latent_up, w.shared_gate_up, w.shared_down))
+    assert w.bias.dtype == torch.float32 and dense > 0
+    assert layer_bytes(w, 0, 1000, 2, cfg.hidden_size) == dense + 2 * 2 * cfg.hidden_size * 2
+    assert layer_bytes(w, 3.5, 1000, 2, cfg.hidden_size) - layer_bytes(w, 0, 1000, 2, cfg.hidden_size) == 3500
+
+
+def test_routing_agreement_compares_the_experts_picked_not_their_order():
+    ours = torch.tensor([[3, 1, 2], [4, 5, 6], [7, 8, 9]], dtype=torch.int32)
+    ref = torch.tensor([[1, 2, 3], [4, 5, 7], [9, 8, 7]])
+    assert routing_agreement(ours, ref).tolist() == [True, False, True]
+
+
+def _case(tp, m, time_us, floor_us, graphed_us, compiled_us=None):
+    r = {"name": f"moe_layer@tp{tp} M={m}", "shape": {"tp": tp, "m": m}, "time_us": time_us, "floor_us": floor_us,
+         "speedup_vs_standard_graphed": graphed_us / time_us, "speedup_vs_reference_eager": 100.0}
+    if compiled_us is not None:
+        r["speedup_vs_standard_compiled"] = compiled_us / time_us
+    return r
+
+
+def test_targets_take_the_worst_case_and_say_which_baseline():
+    graphed = [_case(16, 1, 60.0, 40.0, 300.0), _case(16, 8, 200.0, 180.0, 250.0), _case(16, 64, 900.0, 700.0, 2000.0),
+               _case(8, 64, 1500.0, 1300.0, 1800.0)]
+    floor = next(t for t in targets_of(graphed) if t["name"].endswith("over its HBM floor"))
+    assert floor["value"] == 1.5 and not floor["met"] and floor["worst_case"] == "moe_layer@tp16 M=1"
+    speed = next(t for t in targets_of(graphed) if t["name"].startswith("TP16, M<=8: speedup"))
+    assert "in a CUDA graph (--compile not run)" in speed["name"] and speed["value"] == 1.25 and not speed["met"]
+    tp8 = next(t for t in targets_of(graphed) if t["name"].startswith("TP8, M=64"))
+    assert tp8["value"] == 1.2 and not tp8["met"], "judged on the graphed baseline, not the eager one (100x)"
+    compiled = [_case(16, 1, 60.0, 40.0, 300.0, 120.0), _case(16, 8, 200.0, 180.0, 250.0, 400.0)]
+    speed = next(t for t in targets_of(compiled) if t["name"].startswith("TP16, M<=8: speedup"))
+    assert "under torch.compile" in speed["name"] and speed["value"] == 2.0 and speed["met"]
+
+
+def test_the_check_runs_the_executors_moe_layer_against_the_reference():
+    """`Layer.check` on the CPU, with the reference ops in the executor's `_moe`: every row routed
+    alike and the layer's output the reference's; the tiny model's MoE layers stand in for K3's."""
+    from vllm.models.kimi_k3.nvidia.benchmarks.bench_moe_layer import Layer
+    from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import ReferenceOps
+    from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
+    from vllm.models.kimi_k3.nvidia.reference.model import ReferenceModel
+
+    cfg = config_named("tiny")
+    model = ReferenceModel(cfg, load_rank(RandomSource(cfg, seed=0), cfg, tp=1, rank=0))
+    ex = SpecializedDecode(model, max_requests=1, max_len=16, buckets=[(1, 1)], ops=ReferenceOps(), graphs=False,
+                           log=lambda _: None)
+    layer = Layer(model, ex, ex)
+    assert layer.layers and layer.tp == 1
+    runs = layer.inputs(3, torch.Generator().manual_seed(0))
+    assert len(runs) == 4 * len(layer.layers) and all(v.shape == (3, cfg.hidden_size) for _, v in runs)
+    agree, worst = layer.check(runs)
+    assert agree == 1.0 and worst < 1e-6
