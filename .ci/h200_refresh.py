@@ -112,8 +112,11 @@ def _gpu_pytest(args: list[str]) -> list[str]:
 
 def _recorder(record: Record, tool: str) -> list[str]:
     """`fast-track TOOL` writing `record` again, with those of its sources the tree still has (a
-    file deleted since, say a kernel folded into another, would make the tool refuse the run)."""
-    sources = [a for s in record.sources if (REPO / s).exists() for a in ("--source", s)]
+    file deleted since, say a kernel folded into another, would make the tool refuse the run):
+    the sources as the record was given them where it says (`source_args`: a folder stays a
+    folder, so a file added to it since is measured too), else the files it lists."""
+    given = record.data.get("source_args") or record.sources
+    sources = [a for s in given if (REPO / s).exists() for a in ("--source", s)]
     return ["python3", "-m", "tools.fast_track.cli", tool, "--out", f"{EV}/{Path(record.rel).name}", *sources]
 
 

@@ -67,11 +67,14 @@ def expand_sources(root: Path, sources: list[str]) -> list[str]:
 
 def record_head(root: Path, kind: str, family: str, command: str,
                 sources: list[str]) -> dict[str, Any]:
+    given = [Path(s).as_posix() for s in sources]
     sources = expand_sources(root, sources)
     gpu, cc, driver = gpu_facts()
+    # source_args: the sources as given, folders unexpanded, so a refresh of the record names a
+    # file added to such a folder since (`sources` lists the files the folders held at the run)
     return {"kind": kind, "family": family, "command": command, "gpu": gpu,
             "compute_capability": cc, "driver": driver, "commit": commit(root),
-            "sources": sources, "source_hash": source_hash(root, sources),
+            "sources": sources, "source_args": given, "source_hash": source_hash(root, sources),
             "source_hashes": {s: file_hash(root / s) for s in sources}}
 
 

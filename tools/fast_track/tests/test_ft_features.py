@@ -119,6 +119,7 @@ def test_a_source_folder_stands_for_every_python_file_below_it(repo, monkeypatch
     assert all(src.startswith(folder + "/") and src.endswith(".py") for src in record["sources"])
     assert len(record["sources"]) == sum(1 for _ in (repo.root / folder).rglob("*.py"))  # README.md left out
     assert set(record["source_hashes"]) == set(record["sources"])
+    assert record["source_args"] == [folder]  # as given, so a refresh names files added to it since
     assert _features(repo).status == PASS
     # a change to any file of the folder stales the record
     (repo.root / folder / "nested" / "mul.py").write_text("def mul(a, b):\n    return b * a\n")

@@ -112,6 +112,18 @@ def test_a_source_deleted_since_the_record_is_left_out_of_its_refresh():
         "vllm/models/kimi_k3/nvidia/latency_specialized/engine.py"]
 
 
+def test_a_record_made_from_folders_is_made_from_them_again():
+    """`source_args` (what record-tests was given) wins over the expanded file list, so a kernel
+    file added since the run is hashed by the refreshed record; a folder since removed is left out."""
+    features = _record("python3 -m pytest -q -p no:cacheprovider -m gpu vllm/models/kimi_k3/nvidia/tests/test_features_cuda.py",
+                       "features_parity.json", kind="parity", family="features", exit_code=0,
+                       sources=["vllm/models/kimi_k3/nvidia/kernels/attn_res.py"],
+                       source_args=["vllm/models/kimi_k3/nvidia/kernels", "vllm/models/kimi_k3/nvidia/gone"])
+    (step,) = _run_steps(refresh.step_lines([features]))
+    args = step[2:]
+    assert [args[i + 1] for i, a in enumerate(args) if a == "--source"] == ["vllm/models/kimi_k3/nvidia/kernels"]
+
+
 def test_a_shared_command_runs_once_and_an_unknown_one_is_said_not_run():
     norms = "python -m vllm.models.kimi_k3.nvidia.benchmarks.bench_norms --out-dir /root/out/w/ev"
     lines = refresh.step_lines([_record(norms, "norm_bench.json"), _record(norms, "attn_res_bench.json"),
