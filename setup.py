@@ -17,7 +17,7 @@ setup(
     python_requires=">=3.10",
     packages=[MODEL] + [f"{MODEL}.{p}" for p in SUBPACKAGES] + ["tools.fast_track"],
     package_data={
-        MODEL: ["SCOPE.yaml", "README.md", "evidence/*.json"],
+        MODEL: ["SCOPE.yaml", "README.md", "evidence/*/*.json"],  # evidence/<GPU or cpu>/<record>.json
         f"{MODEL}.latency_specialized": ["*.json"],
         f"{MODEL}.evals": ["README.md", "tiny/*", "lm_eval_tasks/*.yaml", "lm_eval_tasks/*.py"],
     },

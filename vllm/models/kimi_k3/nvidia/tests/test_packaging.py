@@ -36,6 +36,9 @@ def test_wheel_is_a_pure_overlay(tmp_path):
     for needed in ("SCOPE.yaml", "latency_specialized", "reference", "kernels", "tests"):
         assert needed in top, f"{needed} missing from the wheel"
     assert f"{prefix}latency_specialized/cli.py" in names
+    shipped = {n for n in names if n.startswith(f"{prefix}evidence/")}
+    committed = {p.relative_to(ROOT).as_posix() for p in (ROOT / prefix / "evidence").glob("*/*.json")}
+    assert committed and shipped == committed, "the wheel ships the evidence records as committed"
     assert all(n.startswith(("vllm/models/kimi_k3/nvidia/", "tools/fast_track/", "kimi_k3_latency_specialized-"))
                for n in names), \
         [n for n in names if not n.startswith(prefix)][:5]
