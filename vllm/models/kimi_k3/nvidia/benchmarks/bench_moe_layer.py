@@ -48,6 +48,7 @@ from ..reference.params import MoEWeights
 from .bench_moe import BENCH_ROWS, median_us
 from .bench_skinny_gemm import copy_bandwidth_TBps, require_cuda, time_graph
 from .block_parity import PARITY_SOURCES, k3_block
+from .targets import worst
 
 SOURCES = (*PARITY_SOURCES, "vllm/models/kimi_k3/nvidia/benchmarks/bench_moe_layer.py")
 LAYERS = 3  # MoE layers of the block the launches cycle through (K3's layer 0 is dense)
@@ -147,14 +148,6 @@ class Layer:
 def targets_of(results: list[dict]) -> list[dict]:
     """Issue 5's targets for the whole layer, each judged on its worst case; the speedups against
     the standard form under torch.compile where --compile ran, else against it graphed (named so)."""
-    def worst(name, target, cases, key, bound, better_high=True):
-        if not cases:
-            return None
-        vals = [c[key] for c in cases]
-        v = min(vals) if better_high else max(vals)
-        return {"name": name, "target": target, "value": v, "met": v >= bound if better_high else v <= bound,
-                "cases": len(cases), "worst_case": cases[vals.index(v)]["name"]}
-
     def speedup(name, cases, bound):
         key = "compiled" if cases and all("speedup_vs_standard_compiled" in c for c in cases) else "graphed"
         form = "under torch.compile" if key == "compiled" else "in a CUDA graph (--compile not run)"
