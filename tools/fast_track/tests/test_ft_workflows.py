@@ -85,7 +85,8 @@ def test_gpu_steps_call_only_modules_and_subcommands_that_exist():
     for source in re.findall(r'--source "\$MODEL/([\w/.]+)"', scripts):
         assert (ROOT / "vllm/models/kimi_k3/nvidia" / source).exists(), source
     tests = "\n".join(p.read_text() for p in (ROOT / "vllm/models/kimi_k3/nvidia/tests").glob("test_*.py"))
-    selections = [w for c in _commands("gpu-run.yml") for i, a in enumerate(c) if a == "-k" for w in c[i + 1].split()]
+    selections = [w for c in _commands("gpu-run.yml") for i, a in enumerate(c) if a == "-k"
+                  for w in c[i + 1].split()]
     assert selections, "the GPU workflow selects no test with -k"
     for selected in set(selections) - {"and", "or", "not"}:
         assert re.search(rf"def test_\w*{selected}", tests), f"-k {selected} selects no test"
@@ -143,13 +144,13 @@ def test_the_gpu_workflow_writes_the_committed_records_as_they_were_made():
     written = [(w, name) for w, name in written if name]
     for words, name in written:
         path = H200 / name
-        assert path.is_file(), f"{name}: the workflow writes a record that is not committed ({' '.join(words)})"
+        assert path.is_file(), f"{name}: the workflow writes a record not committed ({' '.join(words)})"
         record = json.loads(path.read_text())
         command = shlex.split(record["command"])
         if words[:2] in (["fast-track", "record-sanitizer"], ["fast-track", "record-tests"]):
             sources = [words[i + 1] for i, a in enumerate(words) if a == "--source"]
             kept = [s for s in record["sources"] if (ROOT / s).exists()]
-            assert set(expand_sources(ROOT, sources)) >= set(kept), f"{name}: the workflow hashes less than the record"
+            assert set(expand_sources(ROOT, sources)) >= set(kept), f"{name}: the workflow hashes less"
             inner = command[command.index("python3"):] if words[1] == "record-sanitizer" else command
             assert _as_run(words[words.index("--") + 1:]) == _as_run(inner), name
         elif words[:2] == ["fast-track", "record-coverage"]:
