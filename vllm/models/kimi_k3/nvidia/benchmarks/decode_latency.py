@@ -17,6 +17,7 @@ In one process, per (TP, rows, tokens per request q, context):
 | --- | --- |
 | specialized | `SpecializedDecode` with `KernelOps`: the CUDA-graph replay of the bucket's CuTe DSL kernels, independent ops of a layer on side lanes (`lanes.py`) |
 | specialized, one stream (`--one-stream`) | the same kernels in graphs without lanes (`overlap=False`), to measure what the lanes gain |
+| specialized, no L2 prefetch (`--no-l2-prefetch`) | the same graphs with the skinny GEMMs' L2 requests before the PDL wait left out (`KernelOps(l2_prefetch=False)`), to measure what they gain |
 | standard eager | `ReferenceModel.forward` + LM head on CUDA (cuBLAS GEMMs, torch ops, per-request loops) |
 | standard graphed | `SpecializedDecode` with `TorchOps`: plain PyTorch on cuBLAS, captured in the same kind of CUDA graph, lanes included (the strongest standard baseline built here) |
 
@@ -210,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--one-stream", action="store_true",
                     help="also time the specialized graphs without side lanes (overlap=False; baseline "
                          "'specialized_one_stream'), to measure what the lanes gain")
+    ap.add_argument("--no-l2-prefetch", action="store_true",
+                    help="also time the specialized graphs without the skinny GEMMs' L2 requests before their PDL "
+                         "wait (baseline 'specialized_no_l2_prefetch'), to measure what those requests gain")
     ap.add_argument("--quick", action="store_true", help="TP16 rows 1, 2, 8 (q 1) and one q 8 request, ctx 4K")
     args = ap.parse_args(argv)
     require_cuda(ap)
@@ -229,8 +233,8 @@ def main(argv: list[str] | None = None) -> int:
         n_mla = len(model.cfg.full_attn_layers)
         for ctx in args.contexts:
             # four states (specialized, graphed standard, yardstick, eager standard) hold the MLA cache
-            # each, five with the one-stream executor
-            states = 5 if args.one_stream else 4
+            # each, one more for each extra specialized executor (one stream, no L2 prefetch)
+            states = 4 + args.one_stream + args.no_l2_prefetch
             keys = sorted({(r, q) for r in args.rows for q in args.q if r % q == 0
                            and states * (r // q) * (ctx + 8) * 576 * 2 * n_mla <= CACHE_BUDGET})
             skipped = sorted({(r, q) for r in args.rows for q in args.q if r % q == 0} - set(keys))
@@ -269,6 +273,9 @@ def run_context(model: ReferenceModel, tp: int, keys: list[tuple[int, int]], ctx
     if args.one_stream:
         executors["specialized_one_stream"] = SpecializedDecode(model, max_requests=max_req, max_len=max_len,
                                                                 buckets=keys, ops=KernelOps(), overlap=False)
+    if args.no_l2_prefetch:
+        executors["specialized_no_l2_prefetch"] = SpecializedDecode(model, max_requests=max_req, max_len=max_len,
+                                                                    buckets=keys, ops=KernelOps(l2_prefetch=False))
     if not args.no_graphed_standard:
         try:  # a broken baseline must not cost the specialized figures: say so and go on without it
             executors["standard_graphed"] = SpecializedDecode(model, max_requests=max_req, max_len=max_len,
@@ -287,8 +294,10 @@ def run_context(model: ReferenceModel, tp: int, keys: list[tuple[int, int]], ctx
             results.append(r)
             g = r["baseline_us"].get("standard_graphed")
             one = r["baseline_us"].get("specialized_one_stream")
+            no_pf = r["baseline_us"].get("specialized_no_l2_prefetch")
             print(f"TP{tp:<3} rows {rows:>3} q {q} ctx {ctx:>6}: spec {r['time_us']:9.1f} us  "
-                  f"{'' if one is None else f'one stream {one:9.1f}  '}eager "
+                  f"{'' if one is None else f'one stream {one:9.1f}  '}"
+                  f"{'' if no_pf is None else f'no L2 prefetch {no_pf:9.1f}  '}eager "
                   f"{r['baseline_us']['standard_eager']:9.1f}  graphed {g if g is None else round(g, 1)}  "
                   f"floor {r['floor_us']:8.1f} ({r['x_floor']:.2f}x)  parity "
                   f"{r['parity']['specialized']['rel_err_median']:.1e} {r['status']}", file=sys.stderr, flush=True)
