@@ -293,7 +293,7 @@ class KernelOps(DecodeOps):
         weights, ids = self.k_router.launch(logits, bias, cfg.num_experts_per_token, renormalize=cfg.moe_renormalize,
                                             routed_scaling_factor=cfg.routed_scaling_factor,
                                             scoring=cfg.moe_router_activation_func,
-                                            expert_groups=cfg.num_expert_group)
+                                            expert_groups=ref_moe.selection_groups(cfg))
         self.routed.append(ids)
         return weights, ids
 

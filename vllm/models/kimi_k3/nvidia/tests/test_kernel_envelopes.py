@@ -81,6 +81,11 @@ def test_a_router_other_than_k3s_is_refused_not_run():
                          (dict(num_expert_group=2, topk_group=1), "2 expert group(s)")):
         refused, _ = _refusals(dataclasses.replace(tiny, **change))
         assert set(refused) == {"route"} and any(said in msg for msg in refused["route"]), (change, refused)
+    # groups that select nothing away (grouping off, or every group kept) route as one group
+    for change in (dict(num_expert_group=2, topk_group=2), dict(num_expert_group=2, topk_group=1,
+                                                               use_grouped_topk=False)):
+        refused, _ = _refusals(dataclasses.replace(tiny, **change))
+        assert not refused, (change, refused)
 
 
 def test_kernel_ops_hand_their_l2_prefetch_choice_to_every_gemm():
