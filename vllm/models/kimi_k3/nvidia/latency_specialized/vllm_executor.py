@@ -39,10 +39,14 @@ class VllmExecutor:
 
     @classmethod
     def build(cls, model: ReferenceModel, static_forward_context: Mapping[str, Any], *, max_model_len: int,
-              block_size: int, rows: Sequence[int], verify_tokens: int, inputs: str = "ids",
+              rows: Sequence[int], verify_tokens: int, inputs: str = "ids",
               ops: DecodeOps | None = None, log: Callable[[str], None] | None = None) -> VllmExecutor:
+        """The executor over the caches vLLM bound. The block size is the bound MLA view's: vLLM
+        may split its cache blocks into smaller kernel blocks (its block tables then count those),
+        so `cache_config.block_size` need not be what the caches and tables use."""
         buckets = buckets_for(rows, verify_tokens)
         pools = pools_from_forward_context(static_forward_context, model.cfg)
+        block_size = next(iter(pools[1].values())).cache.shape[1]
         executor = SpecializedDecode(model, max_requests=max(r // q for r, q in buckets), max_len=max_model_len,
                                      buckets=buckets, ops=ops, graphs=False, block_size=block_size,
                                      output="hidden", inputs=inputs, pools=pools, log=log)

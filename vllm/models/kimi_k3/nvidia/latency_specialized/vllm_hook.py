@@ -140,6 +140,10 @@ def vllm_blockers(vllm_config: Any) -> list[str]:
         out.append("LoRA")
     if getattr(cache, "use_replayssm", False) or getattr(cache, "use_kda_recoverssm", False):
         out.append("ReplaySSM / RecoverSSM")
+    graphs = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+    if getattr(graphs, "name", None) == "FULL":  # one routine: mixed batches replay the decode-captured graphs
+        out.append("cudagraph_mode FULL, whose graphs also serve mixed prefill and decode batches of their size "
+                   "(use FULL_AND_PIECEWISE, vLLM's default, or FULL_DECODE_ONLY)")
     return out
 
 
@@ -377,7 +381,7 @@ class VllmBackend:
             self.executor = VllmExecutor.build(
                 ReferenceModel(self.cfg, self.weights, coll=self._collective()),
                 self.vllm_config.compilation_config.static_forward_context,
-                max_model_len=self.router.max_context, block_size=self.vllm_config.cache_config.block_size,
+                max_model_len=self.router.max_context,
                 rows=sorted(self.router.dispatcher.envelopes[0].rows_per_step),
                 verify_tokens=self.router.verify_tokens, inputs="embeddings" if embeddings_in else "ids",
                 log=self.log.info)

@@ -48,8 +48,12 @@ def _vllm_caches(model, q: int, block: int = BLOCK):
         st.conv.fill_(float("nan"))
     for st in mla.values():
         st.cache.fill_(float("nan"))
-    ctx = {f"model.layers.{i}.self_attn": SimpleNamespace(kv_cache=[(st.conv, st.rec)]) for i, st in kda.items()}
-    ctx |= {f"model.layers.{i}.self_attn.attn": SimpleNamespace(kv_cache=[st.cache]) for i, st in mla.items()}
+    # as vLLM 0.33.0 binds them: the KDA module holds (conv, recurrent), the MLA one the cache tensor;
+    # the fused-MoE runners share the layer prefixes and hold none
+    bound = lambda cache: SimpleNamespace(kv_cache=cache, bind_kv_cache=lambda _: None)  # noqa: E731
+    ctx = {f"model.layers.{i}.self_attn": bound((st.conv, st.rec)) for i, st in kda.items()}
+    ctx |= {f"model.layers.{i}.self_attn": bound(st.cache) for i, st in mla.items()}
+    ctx |= {f"model.layers.{i}.block_sparse_moe.experts": SimpleNamespace() for i in range(model.cfg.num_hidden_layers)}
     return ctx, kda, mla
 
 
@@ -82,12 +86,13 @@ def _step_on_vllms_layout(model, ops, block: int, max_len: int, q: int, inputs: 
     own = SpecializedDecode(model, **kw, ops=None if ops is None else ops())
     slots = prefill(model, own.state, [[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18], [19, 20, 21]])
     ctx, kda, mla = _vllm_caches(model, q, block)
-    vex = VllmExecutor.build(model, ctx, max_model_len=max_len, block_size=block, rows=[REQUESTS * q],
+    vex = VllmExecutor.build(model, ctx, max_model_len=max_len, rows=[REQUESTS * q],
                              verify_tokens=q, inputs=inputs, ops=None if ops is None else ops(), log=lambda _: None)
+    assert vex.executor.state.block_size == block  # the bound MLA view's, not a config's
     kda_first = min(i for i in range(model.cfg.num_hidden_layers) if model.cfg.layer_kind(i) == "kda")
     mla_first = min(i for i in range(model.cfg.num_hidden_layers) if model.cfg.layer_kind(i) != "kda")
     assert (vex.kda_layer, vex.mla_layer) == (f"model.layers.{kda_first}.self_attn",
-                                              f"model.layers.{mla_first}.self_attn.attn")
+                                              f"model.layers.{mla_first}.self_attn")
 
     # place each request where vLLM would: its state in one block's page, its tokens in its own blocks
     free = rng.sample(range(1, VLLM_BLOCKS), VLLM_BLOCKS - 1)
@@ -159,7 +164,7 @@ def _backend_config(model, monkeypatch, tp: int):
                                                                         if k != "device"}))
     block = 64  # the executor's buckets reach 64 rows: padding rows need that many rows of the null block
     ctx, kda, mla = _vllm_caches(model, 1, block)
-    bound = {name: module.kv_cache for name, module in ctx.items()}
+    bound = {name: module.kv_cache for name, module in ctx.items() if hasattr(module, "kv_cache")}
     config = SimpleNamespace(
         parallel_config=SimpleNamespace(tensor_parallel_size=tp, pipeline_parallel_size=1,
                                         enable_expert_parallel=False, decode_context_parallel_size=1),
@@ -183,8 +188,8 @@ def test_the_backend_builds_the_executor_once_caches_exist_and_serves_admitted_s
 
     model = mini_model(seed=0)
     config, options, ctx, (kda, mla, bound) = _backend_config(model, monkeypatch, tp=1)
-    for module in ctx.values():
-        module.kv_cache = []  # vLLM's profiling run: nothing bound yet
+    for module in ctx.values():  # vLLM's profiling run: nothing bound yet (a KDA module has no kv_cache then)
+        module.__dict__.pop("kv_cache", None)
     backend = hook.VllmBackend(config, options, tp=1, rank=0, kda_dtypes=(torch.bfloat16, torch.float32))
     assert backend.router.enabled, backend.startup_line
     backend._bound, backend.weights = True, model.w  # vLLM's loaded weights, bound (tested elsewhere)
@@ -211,7 +216,7 @@ def test_the_backend_builds_the_executor_once_caches_exist_and_serves_admitted_s
     full_md = {"model.layers.0.self_attn": SimpleNamespace(
         num_decodes=2, num_spec_decodes=0, non_spec_state_indices_tensor=slots, spec_state_indices_tensor=None,
         num_accepted_tokens=None),
-        "model.layers.2.self_attn.attn": SimpleNamespace(
+        "model.layers.2.self_attn": SimpleNamespace(
             decode=SimpleNamespace(block_table=torch.tensor([[7], [9]], dtype=torch.int32),
                                    seq_lens=torch.tensor([1, 1], dtype=torch.int32)),
             slot_mapping=torch.tensor([7 * 64, 9 * 64]))}  # _backend_config's blocks of 64

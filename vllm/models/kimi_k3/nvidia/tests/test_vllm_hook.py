@@ -260,10 +260,12 @@ def test_counters_reach_the_log_once_a_minute_when_they_change_on_the_reporting_
 
 
 class GraphModeStandin:
-    """Stand-in for vLLM's CUDAGraphMode: only decode_mode() is read."""
+    """Stand-in for vLLM's CUDAGraphMode: its name and decode_mode() are read (FULL_AND_PIECEWISE,
+    vLLM's default, has FULL decode graphs; plain FULL also has, but shares them with mixed batches)."""
 
-    def __init__(self, decode_mode):
+    def __init__(self, decode_mode, name="FULL_AND_PIECEWISE"):
         self._decode = SimpleNamespace(name=decode_mode)
+        self.name = name
 
     def decode_mode(self):
         return self._decode
@@ -336,6 +338,21 @@ def test_vllm_features_outside_the_backend_turn_it_off_all_named_at_once():
     with pytest.raises(ScopeError, match="pipeline parallel size 2.*strict_scope"):
         hook.VllmBackend(cfg, BackendOptions("latency_specialized", strict_scope=True), tp=8, rank=0,
                          kda_dtypes=KDA_DTYPES, log=TEST_LOG)
+
+
+def test_plain_full_graphs_turn_it_off_since_mixed_batches_would_replay_the_decode_graphs():
+    """Under cudagraph_mode FULL one graph per size serves every batch of that size, mixed prefill
+    and decode ones included (with an attention backend that supports it, e.g. FlashInfer MLA on
+    Blackwell): a graph captured on a pure decode dummy batch would replay the decode kernels
+    over prefill rows. FULL_AND_PIECEWISE and FULL_DECODE_ONLY capture decode graphs apart."""
+    cfg = vllm_config_standin()
+    cfg.compilation_config.cudagraph_mode = GraphModeStandin("FULL", name="FULL")
+    backend = hook.VllmBackend(cfg, BackendOptions("latency_specialized", allow_unvalidated=True), tp=8, rank=0,
+                               kda_dtypes=KDA_DTYPES, log=TEST_LOG)
+    assert "cudagraph_mode FULL" in backend.startup_line and "FULL_AND_PIECEWISE" in backend.startup_line
+    assert backend.on_forward(None, 8, decode(8), graph_mode="FULL", capturing=True).reason == \
+        hook.VLLM_FEATURES_REASON
+    assert not any("cudagraph_mode" in b for b in hook.vllm_blockers(vllm_config_standin()))
 
 
 # ---------------------------------------------------------------------------- weight binding
