@@ -11,6 +11,7 @@ with vLLM's persistent metadata buffers.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +23,9 @@ from .decode_ops import DecodeOps
 from .executor import SpecializedDecode
 from .vllm_pools import metadata_layers, pools_from_forward_context
 from .vllm_step import VllmDecodeStep, fill_step_meta
+
+
+TABLE_TOKEN_ALIGNMENT = 128  # tokens: vLLM rounds a block table's width up to a multiple of this
 
 
 def buckets_for(rows: Sequence[int], verify_tokens: int) -> list[tuple[int, int]]:
@@ -47,7 +51,11 @@ class VllmExecutor:
         buckets = buckets_for(rows, verify_tokens)
         pools = pools_from_forward_context(static_forward_context, model.cfg)
         block_size = next(iter(pools[1].values())).cache.shape[1]
-        executor = SpecializedDecode(model, max_requests=max(r // q for r, q in buckets), max_len=max_model_len,
+        # vLLM's block tables are max_model_len's blocks rounded up to whole 128-token spans
+        # (`get_block_table_width`): ours are at least as wide
+        span = math.lcm(TABLE_TOKEN_ALIGNMENT, block_size)
+        max_len = -(-max_model_len // span) * span
+        executor = SpecializedDecode(model, max_requests=max(r // q for r, q in buckets), max_len=max_len,
                                      buckets=buckets, ops=ops, graphs=False, block_size=block_size,
                                      output="hidden", inputs=inputs, pools=pools, log=log)
         return cls(executor, *metadata_layers(static_forward_context, model.cfg))

@@ -80,6 +80,7 @@ INPUTS_REASON = "admitted, but the step's inputs (token ids or embeddings) are n
 VLLM_FEATURES_REASON = "vLLM features outside the backend"
 BINDING_REASON = "vLLM's loaded weights are not in the backend's layout"
 EXECUTOR_REASON = "the specialized executor could not be built over vLLM's caches"
+STEP_REASON = "a step vLLM brought does not fit the specialized executor"
 LOG_EVERY_S = 60.0
 
 
@@ -408,9 +409,16 @@ class VllmBackend:
 
     def run(self, route: Route, attn_metadata: Any, input_ids: Any, slot_mapping: Any, rows: int,
             inputs_embeds: Any = None) -> Any:
-        """The hidden states of an admitted step (`route.plan` is its bucket) from our kernels."""
+        """The hidden states of an admitted step (`route.plan` is its bucket) from our kernels, or
+        None, with the backend turned off and a warning saying why, when vLLM's step metadata does
+        not fit the executor: the caller then runs vLLM's own forward (inside a capture too; the
+        executor refuses before any device work), never a crash in vLLM's start-up."""
         assert self.executor is not None and route.plan is not None
-        return self.executor.run(route.plan, attn_metadata, input_ids, slot_mapping, rows, inputs_embeds)
+        try:
+            return self.executor.run(route.plan, attn_metadata, input_ids, slot_mapping, rows, inputs_embeds)
+        except ExecutorError as e:
+            self._turn_off(STEP_REASON, str(e))
+            return None
 
     def on_forward(self, language_model: Any, rows: int, attn_metadata: Any, *,
                    graph_mode: str, capturing: bool, embeddings_in: bool = False) -> Route:

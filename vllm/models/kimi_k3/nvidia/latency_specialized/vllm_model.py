@@ -57,6 +57,8 @@ class KimiK3LatencySpecializedForCausalLM(KimiLinearForCausalLM):
             embeddings_in=inputs_embeds is not None,
         )
         if route.plan is not None and context is not None:
-            return self.latency_specialized.run(route, context.attn_metadata, input_ids,
-                                                getattr(context, "slot_mapping", None), rows, inputs_embeds)
+            hidden = self.latency_specialized.run(route, context.attn_metadata, input_ids,
+                                                  getattr(context, "slot_mapping", None), rows, inputs_embeds)
+            if hidden is not None:
+                return hidden
         return super().forward(input_ids, positions, intermediate_tensors, inputs_embeds, **kwargs)

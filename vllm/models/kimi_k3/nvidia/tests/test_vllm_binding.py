@@ -8,6 +8,7 @@ envelope), recorded as `vllm_binding_parity.json` with K3_EVIDENCE_DIR."""
 
 from __future__ import annotations
 
+import math
 import random
 from types import SimpleNamespace
 
@@ -151,6 +152,17 @@ def test_buckets_cover_every_row_count_and_whole_verify_requests():
     assert buckets_for([1, 4, 6, 8, 64], 4) == [(1, 1), (4, 1), (4, 4), (6, 1), (8, 1), (8, 4), (64, 1), (64, 4)]
 
 
+def test_the_executors_block_tables_are_as_wide_as_vllms():
+    """vLLM rounds a block table's width up to whole 128-token spans (`get_block_table_width`):
+    at block size 16 and max_model_len 100 that is 8 blocks, not 7; the executor built over such
+    caches holds at least as many, so vLLM's tables fit it."""
+    model = mini_model(seed=0)
+    ctx, _, _ = _vllm_caches(model, 1, 16)
+    vex = VllmExecutor.build(model, ctx, max_model_len=100, rows=[2], verify_tokens=1, log=lambda _: None)
+    vllm_width = -(-(-(-100 // 16)) // (128 // math.gcd(128, 16))) * (128 // math.gcd(128, 16))
+    assert vllm_width == 8 and vex.executor.state.blocks_per_req >= vllm_width
+
+
 def _backend_config(model, monkeypatch, tp: int):
     """A vLLM config stand-in on an H200 deployment (described, since this machine has no GPU) for
     `model`'s rank, its caches bound in the static forward context; (config, options, context,
@@ -222,6 +234,17 @@ def test_the_backend_builds_the_executor_once_caches_exist_and_serves_admitted_s
             slot_mapping=torch.tensor([7 * 64, 9 * 64]))}  # _backend_config's blocks of 64
     hidden = backend.run(route, full_md, torch.tensor([11, 12]), None, 2)
     assert hidden.shape == (2, model.cfg.hidden_size) and torch.isfinite(hidden).all()
+
+    # a step whose metadata does not fit (a block table wider than any max_model_len the executor
+    # was built for) turns the backend off with its reason and hands the step to vLLM's forward
+    # (run returns None), where raising would end vLLM's start-up inside a capture
+    wide = dict(full_md)
+    wide["model.layers.2.self_attn"] = SimpleNamespace(
+        decode=SimpleNamespace(block_table=torch.zeros(2, 1000, dtype=torch.int32),
+                               seq_lens=torch.tensor([1, 1], dtype=torch.int32)),
+        slot_mapping=torch.tensor([7 * 64, 9 * 64]))
+    assert backend.run(route, wide, torch.tensor([11, 12]), None, 2) is None
+    assert not backend.router.enabled and hook.STEP_REASON in caplog.text
 
 
 def test_above_tp_1_the_backend_sums_over_vllms_tensor_parallel_group(monkeypatch, caplog):
