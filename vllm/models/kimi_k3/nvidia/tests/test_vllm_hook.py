@@ -636,3 +636,47 @@ def test_binding_equals_our_loader_on_vllms_loaded_model(vllm_setup):
         if hasattr(method, "unquantized_backend"):  # the MoE layers' method (as repacked_experts finds them)
             method.process_weights_after_loading(module)
     assert "vLLM's CPU MoE backend rewrites the routed experts" in repacked_experts(model)
+
+
+@needs_vllm
+def test_the_executor_adopts_the_caches_vllms_own_layers_bind(vllm_setup):
+    """vLLM's real static forward context (our model built by vLLM: its KDA and MLA layers and the
+    fused-MoE runners it registers beside them), each cache-holding layer bound through its own
+    `bind_kv_cache` on the raw pages vLLM's runner hands it: nothing bound reads as 'not yet', and
+    once bound the executor is built over exactly those tensors."""
+    from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import ReferenceOps
+    from vllm.models.kimi_k3.nvidia.latency_specialized.vllm_executor import VllmExecutor
+    from vllm.models.kimi_k3.nvidia.latency_specialized.vllm_pools import CachesNotBound, pools_from_forward_context
+    from vllm.models.kimi_k3.nvidia.reference.model import ReferenceModel
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    vllm_config, _ = vllm_setup
+    build(vllm_config, {"decode_backend": "latency_specialized"})
+    ctx = vllm_config.compilation_config.static_forward_context
+    layers = {name: m for name, m in ctx.items() if name.startswith("model.layers.")}
+    assert any(not hasattr(m, "bind_kv_cache") for m in layers.values()), \
+        "vLLM registers the fused-MoE runners under the layer prefixes; the test must see them"
+    with pytest.raises(CachesNotBound):
+        pools_from_forward_context(ctx, CPU_CFG)
+    blocks = 9
+    for m in layers.values():
+        if not hasattr(m, "bind_kv_cache"):
+            continue
+        spec = m.get_kv_cache_spec(vllm_config)
+        if isinstance(spec, MambaSpec):  # one raw int8 page per block, the states packed in it
+            m.bind_kv_cache(torch.zeros(blocks, 1, 1, spec.page_size_bytes, dtype=torch.int8))
+        else:  # [blocks, 1 KV head, block_size, head_size]
+            m.bind_kv_cache(torch.zeros(blocks, 1, spec.block_size, spec.head_size, dtype=spec.dtype))
+    kda, mla = pools_from_forward_context(ctx, CPU_CFG)
+    assert len(kda) + len(mla) == CPU_CFG.num_hidden_layers
+    for i, st in kda.items():
+        bound = ctx[f"model.layers.{i}.self_attn"].kv_cache
+        assert st.conv is bound[0] and st.rec is bound[1]
+    for i, st in mla.items():
+        assert st.cache is ctx[f"model.layers.{i}.self_attn"].kv_cache
+    model = ReferenceModel(CPU_CFG, load_rank(RandomSource(CPU_CFG, seed=0), CPU_CFG, tp=1, rank=0))
+    vex = VllmExecutor.build(model, ctx, max_model_len=64, rows=[2], verify_tokens=1, ops=ReferenceOps(),
+                             log=lambda _: None)
+    first_mla = min(mla)
+    assert vex.executor.state.block_size == ctx[f"model.layers.{first_mla}.self_attn"].kv_cache.shape[1]
+    assert all(vex.executor.state.kda[i].rec is kda[i].rec for i in kda)
