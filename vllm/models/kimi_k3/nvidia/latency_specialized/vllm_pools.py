@@ -81,7 +81,7 @@ def pools_from_forward_context(static_forward_context: Mapping[str, Any], cfg: K
             if not (isinstance(cache, (list, tuple)) and len(cache) >= 2):
                 raise PoolsError(f"{prefix}: a KDA layer's cache must be (conv state, recurrent state, ...), got "
                                  f"{type(cache).__name__}")
-            conv, rec = cache[:2]  # as vLLM's KDA reads it; what follows (RecoverSSM's records) is refused upstream
+            conv, rec = cache[:2]  # as vLLM's KDA reads it; what follows is RecoverSSM's, which vllm_blockers refuses
             kda[i] = KDALayerState(rec=rec, conv=conv)
         elif isinstance(cache, torch.Tensor):
             mla[i] = MLALayerState(cache=cache)
