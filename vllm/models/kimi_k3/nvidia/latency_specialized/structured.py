@@ -3,8 +3,11 @@
 `GrammarConstraint` compiles a regex or JSON schema against the byte tokenizer's vocab
 and is passed as `SamplingParams.token_mask`; the sampler applies it to the full-vocab
 logits after either decode path, so a constrained request behaves identically on both.
-One constraint object per request: it advances its matcher by the tokens sampled since
-its last call.
+It advances its matcher by the tokens sampled since its last call; output that does not
+continue what it last saw (another request sharing the object, or a new run of the same
+request) starts the matcher over on that output, so sharing or reusing one is correct,
+only slower. The tokenizer's special tokens have no text (the grammar masks them out, as
+vLLM's tokenizer info does): they decode to nothing, so no grammar may count on them.
 """
 
 from __future__ import annotations
@@ -30,14 +33,15 @@ class GrammarConstraint:
         xgr = _xgrammar()
         self._matcher = xgr.GrammarMatcher(compiled)
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)
-        self._seen = 0
+        self._consumed: list[int] = []  # the output the matcher has accepted, in order
         self.vocab_size = vocab_size
 
     @staticmethod
     def _compiler(vocab_size: int, tok: ByteTokenizer):
         xgr = _xgrammar()
-        names = {v: k for k, v in tok.SPECIALS.items()}
-        vocab = [bytes([i]) for i in range(256)] + [names[i].encode() for i in range(256, tok.vocab_size)]
+        # specials as empty strings: xgrammar takes those for special tokens and never allows them
+        # inside the grammar (EOS, a stop token, still ends it)
+        vocab = [bytes([i]) for i in range(256)] + [b""] * (tok.vocab_size - 256)
         info = xgr.TokenizerInfo(encoded_vocab=vocab, vocab_type=xgr.VocabType.RAW,
                                  vocab_size=vocab_size, stop_token_ids=[tok.EOS])
         return xgr.GrammarCompiler(info)
@@ -56,10 +60,14 @@ class GrammarConstraint:
 
     def __call__(self, output_ids: Sequence[int]) -> torch.Tensor:
         xgr = _xgrammar()
-        for t in output_ids[self._seen:]:
-            if not self._matcher.accept_token(int(t)):
+        ids = [int(t) for t in output_ids]
+        if ids[:len(self._consumed)] != self._consumed:  # not a continuation: start over on this output
+            self._matcher.reset()
+            self._consumed = []
+        for t in ids[len(self._consumed):]:
+            if not self._matcher.accept_token(t):
                 raise RuntimeError(f"structured output: token {t} was sampled but the grammar rejects it")
-        self._seen = len(output_ids)
+            self._consumed.append(t)
         self._matcher.fill_next_token_bitmask(self._bitmask)
         probe = torch.zeros(1, self.vocab_size)
         xgr.apply_token_bitmask_inplace(probe, self._bitmask)

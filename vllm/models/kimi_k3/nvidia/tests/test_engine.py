@@ -131,3 +131,40 @@ def test_compact_json_refuses_the_whitespace_the_default_allows():
     after_brace, space, quote = [ord("{")], ord(" "), ord('"')  # byte tokens
     assert loose(after_brace)[space] and not compact(after_brace)[space]
     assert compact(after_brace)[quote]
+
+
+def test_special_tokens_are_never_grammar_text():
+    """The byte tokenizer's specials decode to nothing, so a grammar must never take them for the
+    text of their names: a regex that spells `<pad>` and a JSON string allow none of them."""
+    pytest.importorskip("xgrammar", reason="structured output needs xgrammar ([test] extra)")
+    from vllm.models.kimi_k3.nvidia.latency_specialized.structured import GrammarConstraint
+
+    specials = sorted(TOK.SPECIALS.values())
+    spelled = GrammarConstraint.regex(r"<[a-z]+>x", 320)
+    assert not spelled([])[specials].any() and spelled([])[ord("<")]
+    schema = json.dumps({"type": "object", "properties": {"s": {"type": "string"}}, "required": ["s"]})
+    inside = GrammarConstraint.json_schema(schema, 320)
+    assert not inside(list(b'{"s": "'))[specials].any()
+    done = GrammarConstraint.regex(r"ab", 320)
+    assert done(list(b"ab"))[TOK.EOS]  # EOS still ends a finished grammar
+
+
+def test_one_grammar_object_serves_a_retry_and_two_requests(model):
+    """A `GrammarConstraint` reused for a second run of its request, or shared by two requests of
+    one batch, masks each output by that output (it starts over where the output is not the one
+    it last saw), so every completion matches the grammar."""
+    pytest.importorskip("xgrammar", reason="structured output needs xgrammar ([test] extra)")
+    import re
+
+    from vllm.models.kimi_k3.nvidia.latency_specialized.structured import GrammarConstraint
+
+    grammar = GrammarConstraint.regex(r"(abc|xyz)[0-9]", model.cfg.vocab_size)
+    p = [SamplingParams(temperature=1.0, seed=s, max_tokens=12, stop_token_ids=(TOK.EOS,), token_mask=grammar)
+         for s in (1, 2, 3)]
+    first = Engine(model, max_requests=1, max_len=64).generate([Request(TOK.encode("q:"), p[0])])
+    again = Engine(model, max_requests=1, max_len=64).generate([Request(TOK.encode("q:"), p[0])])
+    both = Engine(model, max_requests=2, max_len=64).generate([Request(TOK.encode("q:"), p[1]),
+                                                               Request(TOK.encode("r:"), p[2])])
+    for c in (*first, *again, *both):
+        assert c.finish_reason == "stop" and re.fullmatch(r"(abc|xyz)[0-9]", TOK.decode(c.output_ids)), c
+    assert first[0].output_ids == again[0].output_ids
