@@ -76,3 +76,8 @@ class GrammarConstraint:
     @property
     def finished(self) -> bool:
         return self._matcher.is_terminated()
+
+    @property
+    def stop_token_ids(self) -> tuple[int, ...]:
+        """The tokens that end this grammar (the tokenizer's EOS): sampling one ends the request."""
+        return tuple(self._matcher.stop_token_ids)

@@ -146,7 +146,7 @@ def test_special_tokens_are_never_grammar_text():
     inside = GrammarConstraint.json_schema(schema, 320)
     assert not inside(list(b'{"s": "'))[specials].any()
     done = GrammarConstraint.regex(r"ab", 320)
-    assert done(list(b"ab"))[TOK.EOS]  # EOS still ends a finished grammar
+    assert done(list(b"ab"))[TOK.EOS] and done.stop_token_ids == (TOK.EOS,)  # EOS still ends it
 
 
 def test_one_grammar_object_serves_a_retry_and_two_requests(model):
