@@ -21,7 +21,7 @@ import torch
 from ..reference.model import ReferenceModel
 from .decode_ops import DecodeOps
 from .executor import SpecializedDecode
-from .vllm_pools import metadata_layers, pools_from_forward_context
+from .vllm_pools import PoolsError, metadata_layers, pools_from_forward_context
 from .vllm_step import VllmDecodeStep, fill_step_meta
 
 
@@ -50,6 +50,8 @@ class VllmExecutor:
         so `cache_config.block_size` need not be what the caches and tables use."""
         buckets = buckets_for(rows, verify_tokens)
         pools = pools_from_forward_context(static_forward_context, model.cfg)
+        if not pools[1]:
+            raise PoolsError("no MLA layer among vLLM's caches: the block size is read from one")
         block_size = next(iter(pools[1].values())).cache.shape[1]
         # vLLM's block tables are max_model_len's blocks rounded up to whole 128-token spans
         # (`get_block_table_width`): ours are at least as wide
