@@ -29,7 +29,6 @@ writes an evidence record (kind "kernel-bench", family "moe") and prints a table
 from __future__ import annotations
 
 import argparse
-import functools
 import statistics
 import sys
 import time
@@ -75,10 +74,10 @@ def routing_agreement(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
 class Layer:
     """MoE layers of one model, with the executors whose `_moe` is timed: `ours` on the kernels,
     `standard` on the standard path's capturable ops, `compiled` (optional) that form under
-    torch.compile, per layer."""
+    torch.compile as `compiled(i, rows)`."""
 
     def __init__(self, model: ReferenceModel, ours: SpecializedDecode, standard: SpecializedDecode,
-                 compiled: dict | None = None):
+                 compiled=None):
         self.model, self.ours, self.standard, self.compiled = model, ours, standard, compiled
         self.cfg, self.shard, self.tp = model.cfg, model.shard, model.coll.tp
         self.layers = sorted(ours.moe)
@@ -90,12 +89,16 @@ class Layer:
         model = k3_block(tp, layers=1 + LAYERS)
         kw = dict(max_requests=1, max_len=64, buckets=[(1, 1)], log=lambda _: None)
         ours = SpecializedDecode(model, ops=KernelOps(), **kw)
-        fns = None
+        fn = None
         if compiled:  # one stream: torch.compile does not follow the lanes' stream switches
             one = SpecializedDecode(model, ops=TorchOps(), graphs=False, overlap=False, **kw)
             torch._dynamo.reset()
-            fns = {i: torch.compile(functools.partial(one._moe, one.moe[i]), dynamic=False) for i in one.moe}
-        layer = cls(model, ours, SpecializedDecode(model, ops=TorchOps(), **kw), fns)
+            # the layers' weights are arguments of one compiled function, so it compiles once per
+            # row count rather than per layer; a limit passed would silently run it eager
+            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+            moe = torch.compile(one._moe, dynamic=False)
+            fn = lambda i, v: moe(one.moe[i], v)  # noqa: E731
+        layer = cls(model, ours, SpecializedDecode(model, ops=TorchOps(), **kw), fn)
         assert len(layer.layers) == LAYERS, layer.layers
         return layer
 
@@ -133,7 +136,7 @@ class Layer:
                      "reference_eager": median_us(lambda k: reference_moe(
                          w[runs[k % len(runs)][0]], self.cfg, self.shard, runs[k % len(runs)][1], self.model.coll))}
         if self.compiled is not None:
-            baselines["standard_compiled"] = time_graph([lambda i=i, v=v: self.compiled[i](v) for i, v in runs])
+            baselines["standard_compiled"] = time_graph([lambda i=i, v=v: self.compiled(i, v) for i, v in runs])
         t_ours = time_graph([lambda i=i, v=v: self.ours._moe(self.ours.moe[i], v) for i, v in runs])
         selected = statistics.mean(int(torch.unique(self.reference_ids(i, v)).numel()) for i, v in runs)
         nbytes = layer_bytes(w[self.layers[0]], selected, self.expert_bytes, m, self.cfg.hidden_size)
