@@ -32,6 +32,7 @@ import argparse
 import statistics
 import sys
 import time
+from typing import Callable
 
 import torch
 
@@ -71,13 +72,35 @@ def routing_agreement(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     return (ours.long().sort(dim=1).values == ref.long().sort(dim=1).values).all(dim=1)
 
 
+def compiled_moe(model: ReferenceModel, backend="inductor", **kw) -> Callable[[int, torch.Tensor], torch.Tensor]:
+    """`f(layer, rows)`: the standard path's capturable MoE layer (`_moe` on `TorchOps`, `kw` for its
+    executor) under torch.compile, static shapes, on one stream (torch.compile does not follow the
+    lanes' stream switches).
+
+    The layers' weights are arguments of one compiled function: a compile per row count, not per
+    layer. The ops' path trace grows by a call's ops and dynamo guards on its length, so it is
+    emptied before each call (else every call recompiles). Past the recompile limit dynamo would
+    run eager under the name "compiled": it raises instead."""
+    one = SpecializedDecode(model, ops=TorchOps(), graphs=False, overlap=False, **kw)
+    torch._dynamo.reset()
+    dyn = torch._dynamo.config
+    dyn.recompile_limit = max(dyn.recompile_limit, 64)
+    dyn.fail_on_recompile_limit_hit = True
+    moe = torch.compile(one._moe, dynamic=False, backend=backend)
+
+    def f(i: int, v: torch.Tensor) -> torch.Tensor:
+        one.ops.reset()
+        return moe(one.moe[i], v)
+    return f
+
+
 class Layer:
     """MoE layers of one model, with the executors whose `_moe` is timed: `ours` on the kernels,
     `standard` on the standard path's capturable ops, `compiled` (optional) that form under
     torch.compile as `compiled(i, rows)`."""
 
     def __init__(self, model: ReferenceModel, ours: SpecializedDecode, standard: SpecializedDecode,
-                 compiled=None):
+                 compiled: Callable[[int, torch.Tensor], torch.Tensor] | None = None):
         self.model, self.ours, self.standard, self.compiled = model, ours, standard, compiled
         self.cfg, self.shard, self.tp = model.cfg, model.shard, model.coll.tp
         self.layers = sorted(ours.moe)
@@ -89,16 +112,8 @@ class Layer:
         model = k3_block(tp, layers=1 + LAYERS)
         kw = dict(max_requests=1, max_len=64, buckets=[(1, 1)], log=lambda _: None)
         ours = SpecializedDecode(model, ops=KernelOps(), **kw)
-        fn = None
-        if compiled:  # one stream: torch.compile does not follow the lanes' stream switches
-            one = SpecializedDecode(model, ops=TorchOps(), graphs=False, overlap=False, **kw)
-            torch._dynamo.reset()
-            # the layers' weights are arguments of one compiled function, so it compiles once per
-            # row count rather than per layer; a limit passed would silently run it eager
-            torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-            moe = torch.compile(one._moe, dynamic=False)
-            fn = lambda i, v: moe(one.moe[i], v)  # noqa: E731
-        layer = cls(model, ours, SpecializedDecode(model, ops=TorchOps(), **kw), fn)
+        layer = cls(model, ours, SpecializedDecode(model, ops=TorchOps(), **kw),
+                    compiled_moe(model, **kw) if compiled else None)
         assert len(layer.layers) == LAYERS, layer.layers
         return layer
 

@@ -73,3 +73,28 @@ def test_the_check_runs_the_executors_moe_layer_against_the_reference():
     assert len(runs) == 4 * len(layer.layers) and all(v.shape == (3, cfg.hidden_size) for _, v in runs)
     agree, worst = layer.check(runs)
     assert agree == 1.0 and worst < 1e-6
+
+
+def test_the_compiled_baseline_compiles_once_per_row_count_and_is_the_reference():
+    """`compiled_moe` over every MoE layer of the tiny model at three row counts: one dynamo frame
+    per row count (the ops' growing trace, a guard, would recompile every call and, past the
+    limit, run eager under the name "compiled"), and the reference's output."""
+    from torch._dynamo.testing import CompileCounter
+
+    from vllm.models.kimi_k3.nvidia.benchmarks.bench_moe_layer import compiled_moe
+    from vllm.models.kimi_k3.nvidia.reference.model import ReferenceModel
+    from vllm.models.kimi_k3.nvidia.reference.moe import moe as reference_moe
+
+    cfg = config_named("tiny")
+    model = ReferenceModel(cfg, load_rank(RandomSource(cfg, seed=0), cfg, tp=1, rank=0))
+    counter = CompileCounter()
+    f = compiled_moe(model, backend=counter, max_requests=1, max_len=16, buckets=[(1, 1)], log=lambda _: None)
+    layers = [i for i, layer in enumerate(model.w.layers) if isinstance(layer.mlp, MoEWeights)]
+    assert len(layers) > 1
+    gen = torch.Generator().manual_seed(1)
+    for m in (1, 2, 8):
+        for i in layers:
+            v = torch.randn(m, cfg.hidden_size, generator=gen).to(torch.bfloat16)
+            ref = reference_moe(model.w.layers[i].mlp, cfg, model.shard, v, model.coll).float()
+            assert torch.equal(f(i, v).float(), ref), (m, i)
+    assert counter.frame_count == 3
