@@ -33,11 +33,14 @@ def test_routing_agreement_compares_the_experts_picked_not_their_order():
     assert routing_agreement(ours, ref).tolist() == [True, False, True]
 
 
-def _case(tp, m, time_us, floor_us, graphed_us, compiled_us=None):
+def _case(tp, m, time_us, floor_us, graphed_us, compiled_us=None, compiled_err=0.0):
     r = {"name": f"moe_layer@tp{tp} M={m}", "shape": {"tp": tp, "m": m}, "time_us": time_us, "floor_us": floor_us,
-         "speedup_vs_standard_graphed": graphed_us / time_us, "speedup_vs_reference_eager": 100.0}
+         "speedup_vs_standard_graphed": graphed_us / time_us, "speedup_vs_reference_eager": 100.0,
+         "baseline_rel_err": {"standard_graphed": 0.0}, "baseline_routing_agreement": {"standard_graphed": 1.0}}
     if compiled_us is not None:
         r["speedup_vs_standard_compiled"] = compiled_us / time_us
+        r["baseline_rel_err"]["standard_compiled"] = compiled_err
+        r["baseline_routing_agreement"]["standard_compiled"] = 1.0
     return r
 
 
@@ -53,6 +56,12 @@ def test_targets_take_the_worst_case_and_say_which_baseline():
     compiled = [_case(16, 1, 60.0, 40.0, 300.0, 120.0), _case(16, 8, 200.0, 180.0, 250.0, 400.0)]
     speed = next(t for t in targets_of(compiled) if t["name"].startswith("TP16, M<=8: speedup"))
     assert "under torch.compile" in speed["name"] and speed["value"] == 2.0 and speed["met"]
+    # a compiled form that did not compute the reference's result judges nothing
+    wrong = [_case(16, 1, 60.0, 40.0, 300.0, 500.0, compiled_err=0.3), _case(16, 8, 200.0, 180.0, 250.0, 400.0)]
+    speed = next(t for t in targets_of(wrong) if t["name"].startswith("TP16, M<=8: speedup"))
+    assert speed["cases"] == 1 and speed["value"] == 2.0 and speed["worst_case"] == "moe_layer@tp16 M=8"
+    assert all(not t["name"].startswith("TP16, M<=8: speedup")
+               for t in targets_of([_case(16, 1, 60.0, 40.0, 300.0, 500.0, compiled_err=float("nan"))]))
 
 
 def test_the_check_runs_the_executors_moe_layer_against_the_reference():
@@ -71,8 +80,13 @@ def test_the_check_runs_the_executors_moe_layer_against_the_reference():
     assert layer.layers and layer.tp == 1
     runs = layer.inputs(3, torch.Generator().manual_seed(0))
     assert len(runs) == 4 * len(layer.layers) and all(v.shape == (3, cfg.hidden_size) for _, v in runs)
-    agree, worst = layer.check(runs)
+    assert set(layer.paths()) == {"ours", "standard_graphed"}
+    f, ops = layer.paths()["ours"]
+    agree, worst = layer.check(runs, f, ops)
     assert agree == 1.0 and worst < 1e-6
+    # a NaN row fails the check (max(0.0, nan) is 0.0 in Python)
+    agree, worst = layer.check(runs, lambda i, v: f(i, v) * float("nan"), ops)
+    assert agree == 1.0 and worst == float("inf")
 
 
 def test_the_compiled_baseline_compiles_once_per_row_count_and_is_the_reference():
@@ -97,4 +111,5 @@ def test_the_compiled_baseline_compiles_once_per_row_count_and_is_the_reference(
             v = torch.randn(m, cfg.hidden_size, generator=gen).to(torch.bfloat16)
             ref = reference_moe(model.w.layers[i].mlp, cfg, model.shard, v, model.coll).float()
             assert torch.equal(f(i, v).float(), ref), (m, i)
+            assert f.ops.routed, "the compiled call leaves the experts it picked"
     assert counter.frame_count == 3
