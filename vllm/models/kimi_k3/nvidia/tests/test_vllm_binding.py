@@ -233,7 +233,13 @@ def test_the_backend_builds_the_executor_once_caches_exist_and_serves_admitted_s
                                    seq_lens=torch.tensor([1, 1], dtype=torch.int32)),
             slot_mapping=torch.tensor([7 * 64, 9 * 64]))}  # _backend_config's blocks of 64
     hidden = backend.run(route, full_md, torch.tensor([11, 12]), None, 2)
-    assert hidden.shape == (2, model.cfg.hidden_size) and torch.isfinite(hidden).all()
+    # two new requests (zeroed states, one cached position: the step's own) on our own pools
+    own = SpecializedDecode(model, max_requests=2, max_len=MAX_LEN, buckets=[(2, 1)], graphs=False, block_size=64,
+                            output="hidden", log=lambda _: None)
+    fresh = [own.state.allocate() for _ in range(2)]
+    want = own(torch.tensor([11, 12]), [own.state.segment(r, b, 1, prefill=False) for b, r in enumerate(fresh)],
+               own.state)
+    assert hidden.shape == want.shape and torch.equal(hidden, want), rel_err(hidden.float(), want.float())
 
     # a step whose metadata does not fit (a block table wider than any max_model_len the executor
     # was built for) turns the backend off with its reason and hands the step to vLLM's forward
