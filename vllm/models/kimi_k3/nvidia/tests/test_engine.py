@@ -8,7 +8,7 @@ import pytest
 
 from vllm.models.kimi_k3.nvidia.latency_specialized.deployment import Deployment
 from vllm.models.kimi_k3.nvidia.latency_specialized.dispatch import NOT_BUILT_REASON, Dispatcher
-from vllm.models.kimi_k3.nvidia.latency_specialized.engine import Engine, Request
+from vllm.models.kimi_k3.nvidia.latency_specialized.engine import Engine, Request, build_specialized
 from vllm.models.kimi_k3.nvidia.latency_specialized.options import BackendOptions
 from vllm.models.kimi_k3.nvidia.latency_specialized.sampler import SamplingParams
 from vllm.models.kimi_k3.nvidia.latency_specialized.tokenizer import ByteTokenizer
@@ -31,10 +31,17 @@ def _dispatcher(backend: str) -> Dispatcher:
     return Dispatcher(BackendOptions.parse(extra), H200)
 
 
-def _run(model, backend, requests):
+def _run(model, backend, requests, build=True):
+    """Generate on `backend`; for latency_specialized the executor is built (reference ops on the
+    CPU: its step plumbing, with the features' sampler and masks) unless `build` is False."""
     d = _dispatcher(backend)
-    eng = Engine(model, dispatcher=d, max_requests=len(requests), max_len=256)
-    return eng.generate(requests), d, eng
+    ex = build_specialized(model, d, len(requests), 256, reference_on_cpu=True) if build else None
+    eng = Engine(model, dispatcher=d, specialized=ex, state=None if ex is None else ex.state,
+                 max_requests=len(requests), max_len=256)
+    out = eng.generate(requests)
+    if ex is not None:  # every decode step was the executor's, so "identical across paths" compares two
+        assert eng.stats.paths["specialized"] == eng.stats.decode_steps > 0, eng.stats.paths
+    return out, d, eng
 
 
 def test_greedy_stop_and_length(model):
@@ -67,8 +74,12 @@ def test_sampling_identical_across_paths(model):
     # the counters say honestly which path served the admitted steps
     a, s = d_auto.counters.as_dict(), d_spec.counters.as_dict()
     assert a["steps"]["specialized"] == 0 and a["fallbacks"] == {"decode_backend=auto": eng.stats.decode_steps}
-    assert s["admitted_on_standard"] == eng.stats.decode_steps == 11
-    assert s["fallbacks"] == {NOT_BUILT_REASON: 11}
+    assert s["steps"]["specialized"] == eng.stats.decode_steps == 11 and not s["fallbacks"]
+    # with no executor built, admitted steps run the standard path, counted under their reason
+    unbuilt, d_unbuilt, eng = _run(model, "latency_specialized", reqs, build=False)
+    assert [c.output_ids for c in unbuilt] == [c.output_ids for c in std]
+    u = d_unbuilt.counters.as_dict()
+    assert u["admitted_on_standard"] == eng.stats.decode_steps == 11 and u["fallbacks"] == {NOT_BUILT_REASON: 11}
 
 
 def test_structured_output_identical_across_paths(model):

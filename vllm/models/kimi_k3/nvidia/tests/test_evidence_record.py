@@ -1,6 +1,7 @@
 """Evidence records follow ARCHITECTURE.md §7, hash exactly the sources they name, and come only
 from whole-file test runs."""
 
+import hashlib
 import json
 import os
 import subprocess
@@ -30,6 +31,18 @@ def test_kernel_test_record_format(tmp_path, monkeypatch):
     assert rec["source_hash"] == source_hash(SOURCES) and rec["sources"] == SOURCES
     assert rec["targets"] == [{"name": "all cases pass", "target": "all pass", "value": 0.5, "met": False}]
     assert rec["results"] == results and "tests/x.py" in rec["command"]
+
+
+def test_source_hash_is_the_documented_formula_over_the_files_bytes(tmp_path):
+    """sha256 over the sources in sorted path order, each path + NUL + its bytes + NUL (the form
+    the checker recomputes, tools/fast_track/evidence.py): any edit of a source changes it, a
+    reordered list does not."""
+    (tmp_path / "b.py").write_text("two = 2\n")
+    (tmp_path / "a.py").write_text("one = 1\n")
+    want = hashlib.sha256(b"a.py\0one = 1\n\0b.py\0two = 2\n\0").hexdigest()
+    assert source_hash(["b.py", "a.py"], root=tmp_path) == source_hash(["a.py", "b.py"], root=tmp_path) == want
+    (tmp_path / "b.py").write_text("two = 3\n")
+    assert source_hash(["a.py", "b.py"], root=tmp_path) != want
 
 
 @pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="no /proc: wall_s is None there")

@@ -47,6 +47,13 @@ def test_temperature_zero_is_argmax_and_mask_is_applied_first():
     p = SamplingParams(temperature=1.0, token_mask=lambda out: allowed)
     g = torch.Generator().manual_seed(0)
     assert {sample(x[None], [p], [g], [[]])[0] for _ in range(20)} <= {3, 9}
+    # the mask comes before top-k / top-p: the one token the grammar allows, though outside the
+    # top 5, is the one drawn (filtered first, nothing would be left to draw from)
+    only = torch.zeros(50, dtype=torch.bool)
+    only[int(x.argmin())] = True
+    p = SamplingParams(temperature=1.0, top_k=5, top_p=0.5, token_mask=lambda out: only)
+    assert int(x.argmin()) not in torch.topk(x, 5).indices.tolist()
+    assert sample(x[None], [p], [torch.Generator().manual_seed(0)], [[]]) == [int(x.argmin())]
     with pytest.raises(RuntimeError, match="grammar allows no token"):
         sample(x[None], [SamplingParams(token_mask=lambda out: torch.zeros(50, dtype=torch.bool))], [None], [[]])
 
