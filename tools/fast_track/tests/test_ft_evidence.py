@@ -78,6 +78,17 @@ def test_missing_evidence_file_wrong_gpu_and_failing_results(repo):
     assert finding.line == 11  # the evidence key of the envelope in SCOPE.yaml
 
 
+def test_the_right_gpu_name_at_the_wrong_compute_capability_fails(repo):
+    """The GPU name alone is not enough: the compute capability must match the envelope's too."""
+    record = _load(repo, PARITY)
+    record["compute_capability"] = "10.0"
+    _store(repo, PARITY, record)
+    item = review_items(repo.root)["evidence-fresh"]
+    assert item.status == FAIL
+    assert [f.message for f in item.findings] == [
+        "envelope 'h200': ran at compute capability '10.0', the envelope is 9.0"]
+
+
 def test_declared_envelopes_claim_nothing(repo):
     path = repo.root / MODEL / "SCOPE.yaml"
     path.write_text(path.read_text().replace("status: validated", "status: declared"))

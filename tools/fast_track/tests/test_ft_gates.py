@@ -3,7 +3,7 @@
 import json
 
 from ..items import FAIL, PASS
-from .conftest import MODEL, review_items
+from .conftest import KERNEL, MODEL, review_items
 
 EVAL = f"{MODEL}/evidence/h200/eval.json"
 BENCH = f"{MODEL}/evidence/h200/decode.json"
@@ -46,3 +46,16 @@ def test_a_benchmark_needs_its_command_but_may_miss_a_target(repo):
     assert item.status == FAIL and "no `command`" in item.findings[0].message
     (repo.root / BENCH).unlink()
     assert review_items(repo.root)["benchmarks"].summary.startswith("no decode-bench record")
+
+
+def test_an_edited_source_makes_evals_and_benchmarks_stale(repo):
+    """Both records hash the kernel: editing it fails both items, naming the record and the kernel."""
+    path = repo.root / KERNEL
+    path.write_text(path.read_text() + "\n# a later edit\n")
+    items = review_items(repo.root)
+    for key, rel in (("evals", EVAL), ("benchmarks", BENCH)):
+        item = items[key]
+        assert item.status == FAIL
+        first, second = item.findings[:2]
+        assert first.path == rel and first.message.startswith("stale: sources changed since commit")
+        assert (second.path, second.message) == (KERNEL, f"changed since {rel} was recorded")

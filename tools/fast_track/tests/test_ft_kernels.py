@@ -5,7 +5,7 @@ import os
 
 from ..cli import main
 from ..items import FAIL, PASS
-from .conftest import GPU_TEST, KERNEL, MODEL, review_items
+from .conftest import GPU_TEST, GPU_TEST_SRC, KERNEL, MODEL, review_items
 
 COVERAGE = f"{MODEL}/evidence/h200/coverage.json"
 
@@ -31,6 +31,20 @@ def test_a_test_without_gpu_mark_or_counter_assert_is_a_near_miss(repo):
     near = [f for f in item.findings if "names it but lacks" in f.message]
     assert len(near) == 1 and near[0].line == 6  # the def, once the mark is gone
     assert "lacks a gpu mark and an assert on the path counters" in near[0].message
+
+
+def test_each_requirement_alone_makes_a_near_miss(repo):
+    """Dropping only the gpu mark, or only the counter assert, fails and names just that lack."""
+    path = repo.root / GPU_TEST
+    node = f"{GPU_TEST}::test_add_runs_on_gpu_and_counts"
+    for old, new, lack in (("@pytest.mark.gpu\n", "", "a gpu mark"),
+                           ('assert counters.kernels["add"] == 1', "assert add is not None",
+                            "an assert on the path counters")):
+        path.write_text(GPU_TEST_SRC.replace(old, new))
+        item = review_items(repo.root)["kernel-tests"]
+        assert item.status == FAIL
+        near = [f.message for f in item.findings if "names it but lacks" in f.message]
+        assert near == [f"{node} names it but lacks {lack}"]
 
 
 def test_a_module_pytestmark_and_a_counter_helper_count(repo):
