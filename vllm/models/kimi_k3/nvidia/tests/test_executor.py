@@ -3,6 +3,9 @@ reference model's bit for bit (AttnRes block slots, MLA cache writes, KDA slots,
 bucket, verify steps and rollback), since both run the same functions and only the executor's
 buffers, metadata and layer wiring differ. The kernels themselves are the GPU tests' job."""
 
+from collections import Counter
+from contextlib import contextmanager
+
 import pytest
 import torch
 
@@ -158,18 +161,49 @@ def test_padding_rows_write_only_the_null_slot(model):
                 assert torch.equal(ex.state.mla[i].cache[blk], cache[blk]), f"layer {i} block {blk}"
 
 
+# The ops one decode step records per layer, by kind (ReferenceOps' names; executor.py's step):
+_LAYER_OPS = {
+    "every": {"attn_res": 2},  # _forward: the AttnRes before the attention (u) and before the MLP (v)
+    # _kda: in_proj, f_b, o_proj GEMMs; the recurrence
+    "kda": {"linear": 3, "kda_core": 1},
+    # _mla: fused_a, q_b, o_proj GEMMs; q_a_norm on q_c; cache write, absorb, attend, unabsorb
+    "mla": {"linear": 3, "rms_norm": 1, "mla_cache_write": 1, "mla_absorb": 1, "mla_attend": 1,
+            "mla_unabsorb": 1},
+    # _moe: latent_down, shared gate_up + down (_gated_mlp_rank), router, latent_up GEMMs; the
+    # shared SiTU; route and routed experts; latent_norm only where cfg.latent_moe_use_norm
+    "moe": {"linear": 5, "situ_and_mul": 1, "moe_route": 1, "moe_experts": 1},
+    "moe_latent_norm": {"rms_norm": 1},
+    "dense": {"linear": 2, "situ_and_mul": 1},  # _dense -> _gated_mlp_rank: gate_up, down GEMMs; SiTU
+}
+# once per step (_forward): the embedding, the final AttnRes fused with the final norm, the LM head
+_STEP_OPS = {"embed": 1, "attn_res": 1, "linear": 1}
+
+
+def _expected_ops(cfg) -> Counter:
+    want = Counter(_STEP_OPS)
+    for i in range(cfg.num_hidden_layers):
+        want.update(_LAYER_OPS["every"])
+        want.update(_LAYER_OPS[cfg.layer_kind(i)])
+        want.update(_LAYER_OPS[cfg.mlp_kind(i)])
+        if cfg.mlp_kind(i) == "moe" and cfg.latent_moe_use_norm:
+            want.update(_LAYER_OPS["moe_latent_norm"])
+    return want
+
+
 def test_every_op_is_recorded_and_only_glue_runs_outside_the_table(model):
+    """The step's trace is exactly the per-layer inventory the config implies: an op that ran
+    outside the table (unrecorded) or one too many shows up as a count off by one."""
+    cfg = model.cfg
     ex = _executor(model)
+    assert set(ex.moe) == {i for i in range(cfg.num_hidden_layers) if cfg.mlp_kind(i) == "moe"}
+    kinds = {(cfg.layer_kind(i), cfg.mlp_kind(i)) for i in range(cfg.num_hidden_layers)}
+    assert {("kda", "dense"), ("kda", "moe"), ("mla", "moe")} <= kinds  # the inventory is exercised
     slots = prefill(model, ex.state, [[1, 2, 3]])
     ex(torch.tensor([4]), [ex.state.segment(slots[0], 0, 1, prefill=False)], ex.state)
     trace = ex.kernels[(1, 1)]
-    impls = {op: impl for op, impl in trace}
     assert {op for op, impl in trace if impl != "reference"} <= set(GLUE)
-    layers = model.cfg.num_hidden_layers
-    assert sum(op == "attn_res" for op, _ in trace) == 2 * layers + 1
-    assert sum(op == "kda_core" for op, _ in trace) == len(model.cfg.kda_layers)
-    assert sum(op == "mla_attend" for op, _ in trace) == len(model.cfg.full_attn_layers)
-    assert impls["embed"] == "reference" and ex.launches((1, 1))[0] == "embed"
+    assert Counter(op for op, _ in trace) == _expected_ops(cfg)
+    assert ex.launches((1, 1))[0] == "embed" and ex.launches((1, 1))[-1] == "linear"
 
 
 def test_plan_declines_what_no_bucket_serves(model):
@@ -193,20 +227,120 @@ def test_plan_declines_what_no_bucket_serves(model):
                           log=lambda _: None)
 
 
-def test_lanes_off_run_on_the_current_stream_in_issue_order(model):
-    """Without graphs the lanes are off: `beside` runs its block at once, `join` does nothing, so an
-    eager step issues the ops of a graphed one in the same order (a GPU test compares the two)."""
+def _no_cuda_streams(monkeypatch):
+    def touched(*_a, **_k):
+        raise AssertionError("lanes off must not touch CUDA streams or events")
+    for name in ("Stream", "Event", "stream", "current_stream"):
+        monkeypatch.setattr(torch.cuda, name, touched)
+
+
+class _FakeStreams:
+    """torch.cuda's Stream / stream / current_stream / Event, recorded: what lanes.py does on a GPU,
+    as a log (`side i waits current`, `enter side i`, ...) a CPU test can read."""
+
+    class S:
+        def __init__(self, name, log):
+            self.name, self.log, self.device = name, log, torch.device("cuda", 0)
+
+        def wait_stream(self, other):
+            self.log.append(f"{self.name} waits {other.name}")
+
+    def __init__(self, monkeypatch):
+        self.log, self.sides = [], 0
+        self.current = self.S("current", self.log)
+        monkeypatch.setattr(torch.cuda, "Stream", self.new_stream)
+        monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: self.current)
+        monkeypatch.setattr(torch.cuda, "stream", self.stream)
+        monkeypatch.setattr(torch.cuda, "Event", lambda *a, **k: pytest.fail("lanes use no events"))
+
+    def new_stream(self, device=None):
+        self.sides += 1
+        return self.S(f"side {self.sides - 1}", self.log)
+
+    @contextmanager
+    def stream(self, s):
+        prev, self.current = self.current, s
+        self.log.append(f"enter {s.name}")
+        try:
+            yield
+        finally:
+            self.current = prev
+            self.log.append(f"exit {s.name}")
+
+
+def test_lanes_off_run_on_the_current_stream_in_issue_order(model, monkeypatch):
+    """Without graphs the lanes are off: `beside` runs its block at once, `join` does nothing and
+    neither touches a CUDA stream, so an eager step issues the ops of a graphed one in the same
+    order (a GPU test compares the two)."""
     ex = SpecializedDecode(model, max_requests=1, max_len=8, buckets=[(1, 1)], graphs=False, log=lambda _: None)
-    assert not ex.lanes.on and not Lanes(None).on
-    order = []
-    with ex.lanes.beside(0):
-        order.append("lane 0")
-    order.append("current")
-    ex.lanes.join(0)
-    with ex.lanes.beside(1):
-        order.append("lane 1")
-    ex.lanes.join(1)
-    assert order == ["lane 0", "current", "lane 1"]
+    _no_cuda_streams(monkeypatch)
+    for lanes in (ex.lanes, Lanes(None)):
+        assert not lanes.on
+        order = []
+        with lanes.beside(0):
+            order.append("lane 0")
+        order.append("current")
+        lanes.join(0)
+        with lanes.beside(1):
+            order.append("lane 1")
+        lanes.join(1)
+        assert order == ["lane 0", "current", "lane 1"]
+
+
+def test_lanes_on_fork_from_and_join_into_the_current_stream(monkeypatch):
+    """Lanes on (fake CUDA streams, no GPU): `beside(i)` makes side stream i wait for the current
+    stream and then runs its block on side i; `join(i)` makes the current stream wait for side i."""
+    fake = _FakeStreams(monkeypatch)
+    lanes = Lanes(torch.device("cuda", 0))
+    assert lanes.on and [s.name for s in lanes.streams] == ["side 0", "side 1"]
+    with lanes.beside(1):
+        fake.log.append(f"work on {fake.current.name}")
+    fake.log.append(f"work on {fake.current.name}")
+    lanes.join(1)
+    assert fake.log == ["side 1 waits current", "enter side 1", "work on side 1", "exit side 1",
+                        "work on current", "current waits side 1"]
+
+
+def test_the_step_forks_and_joins_its_lanes_where_the_executor_says(model, monkeypatch):
+    """An eager step with its lanes switched on (fake streams): MLA's cache write runs on lane 0 and
+    is joined before the attention; MoE's latent down-projection (lane 0) is joined before the
+    routed experts and the shared MLP (lane 1) before the up-projection; all else stays current."""
+    cfg = model.cfg
+    fake = None
+
+    class Logged(ReferenceOps):
+        def _rec(self, op, impl=None):
+            super()._rec(op, impl)
+            if fake is not None:
+                fake.log.append(f"{op} on {fake.current.name}")
+
+    ex = _executor(model, Logged())
+    slots = prefill(model, ex.state, [[1, 2, 3]])
+    fake = _FakeStreams(monkeypatch)
+    ex.lanes = Lanes(torch.device("cuda", 0))
+
+    def on(lane, *ops):
+        return [f"{op} on {lane}" for op in ops]
+
+    def fork(i, *ops):
+        return [f"side {i} waits current", f"enter side {i}", *on(f"side {i}", *ops), f"exit side {i}"]
+
+    attn = {"kda": on("current", "linear", "linear", "kda_core", "linear"),
+            "mla": [*on("current", "linear"), *fork(0, "mla_cache_write"),
+                    *on("current", "rms_norm", "linear", "mla_absorb"), "current waits side 0",
+                    *on("current", "mla_attend", "mla_unabsorb", "linear")]}
+    mlp = {"dense": on("current", "linear", "situ_and_mul", "linear"),
+           "moe": [*fork(0, "linear"), *fork(1, "linear", "situ_and_mul", "linear"),
+                   *on("current", "linear", "moe_route"), "current waits side 0",
+                   *on("current", "moe_experts", *(["rms_norm"] if cfg.latent_moe_use_norm else [])),
+                   "current waits side 1", *on("current", "linear")]}
+    want = on("current", "embed")
+    for i in range(cfg.num_hidden_layers):
+        want += [*on("current", "attn_res"), *attn[cfg.layer_kind(i)], *on("current", "attn_res"),
+                 *mlp[cfg.mlp_kind(i)]]
+    want += on("current", "attn_res", "linear")
+    ex(torch.tensor([4]), [ex.state.segment(slots[0], 0, 1, prefill=False)], ex.state)
+    assert fake.log == want
 
 
 def test_engine_on_the_executor_state_matches_the_standard_engine(model):
