@@ -168,6 +168,7 @@ def test_startup_verdict_off_is_one_line_with_every_reason(caplog):
         "Kimi K3 latency_specialized decode OFF, the standard path serves every step: "
         "GPU NVIDIA A100 (sm_80) not in scope [GB300 sm_103, H200 sm_90]; gb300-tp8-tp16: "
         "tensor_parallel 4 not in [8, 16]")
+    assert len(d.verdict.reasons) > 2 and all(r in rec.getMessage() for r in d.verdict.reasons)
 
 
 def test_startup_verdict_on_names_the_envelope_and_its_limits(caplog):

@@ -91,6 +91,11 @@ def test_arith_answer_is_the_sum_written_lsd_first_with_a_carry():
         x, y = int(a[::-1]), int(b[::-1])
         assert s.answer == f"{x + y:07d}"[::-1]
         assert any(int(p) + int(q) >= 10 for p, q in zip(a, b))  # a carry happens
+    # one-digit pairs carry about half the time, so here the rule, not luck, puts a carry in each
+    for seed in range(40):
+        a, b = re.search(r"\n(\d+)\+(\d+)=$", tasks.make("arith", 1024, seed, digits=1).prompt).groups()
+        assert int(a) + int(b) >= 10, (seed, a, b)
+    assert tasks._has_carry(15, 5) and tasks._has_carry(91, 10) and not tasks._has_carry(12, 34)
 
 
 def test_practice_spans_mark_answers_found_in_the_context():
@@ -127,6 +132,9 @@ def test_scores_on_planted_answers():
     assert tasks.primary_value(s, got) == got.similarity
     k = tasks.make("kv", 1024, 2)
     assert tasks.primary_value(k, tasks.score(k, k.answer[:-1])) == 0.0
+    # exact means the whole first line: the answer inside a longer line is wrong
+    assert not tasks.score(k, k.answer + " 00000").exact and not tasks.score(k, "1" + k.answer).exact
+    assert tasks.score(k, k.answer + "\nget more").exact
 
 
 # ---------------------------------------------------------------------- the harness
@@ -519,6 +527,10 @@ def test_lm_eval_adapter_runs_the_synthetic_task(tmp_path, monkeypatch):
                                   log_samples=False)
     got = res["results"]["k3_kv_synthetic"]
     assert 0.0 <= got["exact_match,none"] <= 1.0 and 0.0 <= got["similarity,none"] <= 1.0
+    # the scorer lm-eval reports: exact on the first line only, similarity as tasks.similarity
+    assert utils.process_synthetic({"answer": "12 34"}, ["12 34\nx"]) == {"exact_match": 1.0, "similarity": 1.0}
+    assert utils.process_synthetic({"answer": "12 34"}, ["12 345"])["exact_match"] == 0.0
+    assert utils.process_synthetic({"answer": "abcd"}, ["abxd"])["similarity"] == pytest.approx(0.75)
     # loglikelihood through the decode path equals the full-sequence log-probabilities
     lm = lm_eval_adapter.K3DecodeLM(config="mini", random_weights=0, backend="specialized")
 
@@ -532,7 +544,8 @@ def test_lm_eval_adapter_runs_the_synthetic_task(tmp_path, monkeypatch):
     logp = torch.log_softmax(ref.logits(ref.forward(torch.tensor(ids), [st.segment(st.allocate(), 0, len(ids), True)],
                                                       st)).double(), -1)
     want = float(logp[-3, ord("1")] + logp[-2, ord("2")])
-    assert ll == pytest.approx(want, rel=1e-2) and isinstance(greedy, bool)
+    assert ll == pytest.approx(want, rel=1e-2)
+    assert greedy == bool(logp[-3].argmax() == ord("1") and logp[-2].argmax() == ord("2"))
 
 
 def test_lm_eval_data_writes_where_the_task_configs_read(tmp_path, monkeypatch):
