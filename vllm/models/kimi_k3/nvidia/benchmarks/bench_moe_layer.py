@@ -10,10 +10,9 @@ compute), as in the decode benchmark; bench_moe.py times the routed experts alon
 Timing: a CUDA graph of launches back to back, each on the next of the block's MoE layers and on
 its own input rows, so a launch finds none of its weights in L2 (one layer reads 132 MB of dense
 weights at TP16, 149 at TP8, plus 4.1 MB per selected expert at TP16); median µs per launch over
-replays. The
-floor is the bytes a launch must move: the router, latent and shared-expert weights, the
-distinct experts its rows select (their real columns, each once), and the rows in and out, over
-the copy bandwidth measured in the same run.
+replays. The floor is the bytes a launch must move: the router, latent and shared-expert
+weights, the distinct experts its rows select (their real columns, each once), and the rows in
+and out, over the copy bandwidth measured in the same run.
 
 Baselines on the same layers and rows: the standard path's capturable form of the same layer
 (`TorchOps` through the same `_moe`, lanes included) in the same kind of graph; reference/moe.py's
