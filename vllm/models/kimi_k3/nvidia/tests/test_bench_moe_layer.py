@@ -64,16 +64,23 @@ def test_targets_take_the_worst_case_and_say_which_baseline():
                for t in targets_of([_case(16, 1, 60.0, 40.0, 300.0, 500.0, compiled_err=float("nan"))]))
 
 
-def test_the_check_runs_the_executors_moe_layer_against_the_reference():
+@pytest.fixture(scope="module")
+def model():
+    """The tiny model on random weights, on the CPU: its MoE layers stand in for K3's."""
+    from vllm.models.kimi_k3.nvidia.reference.model import ReferenceModel
+
+    cfg = config_named("tiny")
+    return ReferenceModel(cfg, load_rank(RandomSource(cfg, seed=0), cfg, tp=1, rank=0))
+
+
+def test_the_check_runs_the_executors_moe_layer_against_the_reference(model):
     """`Layer.check` on the CPU, with the reference ops in the executor's `_moe`: every row routed
     alike and the layer's output the reference's; the tiny model's MoE layers stand in for K3's."""
     from vllm.models.kimi_k3.nvidia.benchmarks.bench_moe_layer import Layer
     from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import ReferenceOps
     from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
-    from vllm.models.kimi_k3.nvidia.reference.model import ReferenceModel
 
-    cfg = config_named("tiny")
-    model = ReferenceModel(cfg, load_rank(RandomSource(cfg, seed=0), cfg, tp=1, rank=0))
+    cfg = model.cfg
     ex = SpecializedDecode(model, max_requests=1, max_len=16, buckets=[(1, 1)], ops=ReferenceOps(), graphs=False,
                            log=lambda _: None)
     layer = Layer(model, ex, ex)
@@ -89,18 +96,16 @@ def test_the_check_runs_the_executors_moe_layer_against_the_reference():
     assert agree == 1.0 and worst == float("inf")
 
 
-def test_the_compiled_baseline_compiles_once_per_row_count_and_is_the_reference():
+def test_the_compiled_baseline_compiles_once_per_row_count_and_is_the_reference(model):
     """`compiled_moe` over every MoE layer of the tiny model at three row counts: one dynamo frame
     per row count (the ops' growing trace, a guard, would recompile every call and, past the
     limit, run eager under the name "compiled"), and the reference's output."""
     from torch._dynamo.testing import CompileCounter
 
     from vllm.models.kimi_k3.nvidia.benchmarks.bench_moe_layer import compiled_moe
-    from vllm.models.kimi_k3.nvidia.reference.model import ReferenceModel
     from vllm.models.kimi_k3.nvidia.reference.moe import moe as reference_moe
 
-    cfg = config_named("tiny")
-    model = ReferenceModel(cfg, load_rank(RandomSource(cfg, seed=0), cfg, tp=1, rank=0))
+    cfg = model.cfg
     counter = CompileCounter()
     f = compiled_moe(model, backend=counter, max_requests=1, max_len=16, buckets=[(1, 1)], log=lambda _: None)
     layers = [i for i, layer in enumerate(model.w.layers) if isinstance(layer.mlp, MoEWeights)]

@@ -10,10 +10,11 @@ than as a refused device call.
 from __future__ import annotations
 
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
+
+from tools.fast_track.gitrepo import git
 
 ROOT = Path(__file__).resolve().parents[5]
 TRACKED_LIMIT = 8 * 2**20
@@ -23,9 +24,8 @@ CHECKPOINT_LIMIT = 4 * 10**6  # the tiny eval checkpoint (evals/tiny/model.safet
 def _tracked() -> dict[str, int]:
     if shutil.which("git") is None or not (ROOT / ".git").exists():
         pytest.skip("not a git checkout: the tracked files are unknown")
-    names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
     sizes = {}
-    for name in names.decode().split("\0"):
+    for name in git(ROOT, "ls-files", "-z").split("\0"):
         path = ROOT / name
         if name and path.is_file():
             sizes[name] = path.stat().st_size
