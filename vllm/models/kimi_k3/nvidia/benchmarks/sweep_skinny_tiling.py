@@ -3,9 +3,9 @@
 `pick_tiling` picks the kernel and `choose_tiling` the warp kernel's tiling by class of shape;
 its M <= 16 rules come from this sweep's run of 2026-12-04 (kernels/README.md), its M > 16 rules
 from sweeps of 2026-12-03 (beyond 16 rows sm_90a takes the wgmma kernel, whose tiling
-`choose_wgmma_tiling` follows this sweep's run of 2026-12-05 on three shapes). This times the
-launchable tilings of each K3 per-rank shape beside the pick, so that the heuristic can follow
-measurements:
+`choose_wgmma_tiling` ranks by a cost model fitted to this sweep's 22 cases of 2026-12-05). This
+times the launchable tilings of each K3 per-rank shape beside the pick, so that the heuristic can
+follow measurements:
 
     python -m vllm.models.kimi_k3.nvidia.benchmarks.sweep_skinny_tiling --out $OUT/skinny_tiling_sweep.json
 
@@ -33,7 +33,7 @@ from dataclasses import replace
 import torch
 
 from ..kernels.device import facts
-from ..kernels.skinny_gemm import MAX_ROWS, WGMMA_ARCHS, Tiling, WgmmaTiling, pick_tiling
+from ..kernels.skinny_gemm import MAX_ROWS, WGMMA_ARCHS, Tiling, WgmmaTiling, l2_prefetch_rounds, pick_tiling
 from ..kernels.skinny_gemm_wgmma import TILE_K, stages_for
 from .bench_skinny_gemm import ShapeInputs, bench_case, copy_bandwidth_TBps, describe, require_cuda, unique_shapes
 from .sweeps import finish, load, print_replay, replay
@@ -68,16 +68,22 @@ def cta_shapes(n: int, k: int, m_atoms: int, sm_count: int) -> list[Tiling]:
         for chunk_atoms, x_atoms in ((4, 2), (8, 4), (16, 4)):
             for warps_n, warps_k in SHAPES_OF_CTA:
                 base = Tiling(row_tiles, chunk_atoms, x_atoms, warps_n, warps_k, 1)
-                t = replace(base, splits=filling_split(base, n, k, sm_count, 2))
+                t = with_prefetch(replace(base, splits=filling_split(base, n, k, sm_count, 2)), n, k, m_atoms)
                 if fits(t, k, m_atoms):
                     out.append(t)
     return out
 
 
+def with_prefetch(t: Tiling, n: int, k: int, m_atoms: int) -> Tiling:
+    """The candidate with the L2 prefetch its pick would get, so candidates differ in their cut only."""
+    return replace(t, prefetch_rounds=l2_prefetch_rounds(t, n, k, m_atoms))
+
+
 def split_variants(t: Tiling, n: int, k: int, m_atoms: int, sm_count: int) -> list[Tiling]:
     """Stage two: the same CTA shape unsplit and at the split counts filling 1 and 4 CTAs per SM."""
     counts = {1, *(filling_split(t, n, k, sm_count, per_sm) for per_sm in (1, 4))}
-    return [v for v in (replace(t, splits=s) for s in sorted(counts)) if v != t and fits(v, k, m_atoms)]
+    return [v for v in (with_prefetch(replace(t, splits=s), n, k, m_atoms) for s in sorted(counts))
+            if v != t and fits(v, k, m_atoms)]
 
 
 def wgmma_variants(n: int, k: int, m_atoms: int, sm_count: int) -> list[WgmmaTiling]:
@@ -117,6 +123,8 @@ def sweep_case(inp: ShapeInputs, m: int, copy_bw: float, arch: str, sm_count: in
                    "rel_err": r["rel_err"], "ok": r["status"] == "pass"}
 
     run(pick)
+    if isinstance(pick, Tiling) and pick.prefetch_rounds:
+        run(replace(pick, prefetch_rounds=0))  # what the L2 requests before the PDL wait bring
     if arch in WGMMA_ARCHS and m_atoms > 1:
         for t in wgmma_variants(shape.n, shape.k, m_atoms, sm_count):
             run(t)

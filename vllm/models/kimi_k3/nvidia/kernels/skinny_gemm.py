@@ -31,7 +31,9 @@ Design (decode is memory-bound: read every weight byte once, at HBM speed):
   dependents first, so this grid's CTAs start while the previous kernel runs, put their first W
   chunk in flight, and wait (griddepcontrol.wait: the previous grid done, its writes visible)
   before they read x or write anything. Measured on 2026-12-04 before this form landed (kernels/
-  README.md): 1.07× on the TP16 step at one row, 1.05× at eight.
+  README.md): 1.07× on the TP16 step at one row, 1.05× at eight. Up to 8 rows the CTAs also
+  request the next rounds of their W rows into L2 before the wait (`l2_prefetch_rounds`, within
+  a third of L2), so more of the weight stream starts while the previous kernel drains.
 - Partial sums meet in shared memory (across warps_k) and, with splits > 1, in an FP32
   workspace: the last CTA of an N tile to arrive (one counter per tile, reset by that CTA) adds
   the splits in a fixed order and writes y, so results are deterministic and one launch does
@@ -48,7 +50,7 @@ capture.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import cuda.bindings.driver as cuda
@@ -81,12 +83,15 @@ class Tiling:
     warps_n: int
     warps_k: int
     splits: int  # CTAs along K
+    # rounds of K chunks (one chunk a warp) past the first that a CTA requests into L2 before its
+    # PDL wait (`l2_prefetch_rounds`)
+    prefetch_rounds: int = 0
 
     def __post_init__(self) -> None:
         if self.chunk_atoms % 2 or self.x_atoms % 2 or self.chunk_atoms % self.x_atoms:
             raise ValueError(f"{self}: chunk_atoms and x_atoms must be even, x_atoms must divide chunk_atoms")
-        if not 1 <= self.warps_n * self.warps_k <= 32 or min(self.row_tiles, self.splits) < 1:
-            raise ValueError(f"{self}: needs 1..32 warps per CTA, row_tiles >= 1 and splits >= 1")
+        if not 1 <= self.warps_n * self.warps_k <= 32 or min(self.row_tiles, self.splits) < 1 or self.prefetch_rounds < 0:
+            raise ValueError(f"{self}: needs 1..32 warps per CTA, row_tiles >= 1, splits >= 1 and prefetch_rounds >= 0")
 
     @property
     def block_n(self) -> int:
@@ -173,7 +178,31 @@ def choose_tiling(n: int, k: int, m_atoms: int, sm_count: int, heads: int = 1) -
         # split K at 9-16 rows: 16 warps need more than their 64 registers there and spill in
         # the chunk loop; two tiles × 8 warps fit two CTAs an SM in 124 registers
         row_tiles, warps_n, warps_k = 2, 1, 8
-    return Tiling(row_tiles, chunk_atoms, x_atoms, warps_n, warps_k, splits_to_fill())
+    t = Tiling(row_tiles, chunk_atoms, x_atoms, warps_n, warps_k, splits_to_fill())
+    return replace(t, prefetch_rounds=l2_prefetch_rounds(t, n, k, m_atoms, heads))
+
+
+# what the CTAs of one launch may request into L2 before their PDL wait: about a third of the
+# H100/H200's 50 MB, so that the lines are still there when the loop reads them
+L2_PREFETCH_BYTES = 16 << 20
+
+
+def l2_prefetch_rounds(t: Tiling, n: int, k: int, m_atoms: int, heads: int = 1) -> int:
+    """Rounds of K chunks past each warp's first that the CTAs request into L2 before the PDL
+    wait (a round: one chunk for every warp along K, i.e. warps_k · chunk_k columns of each of
+    the CTA's rows), as many as the grid's requests stay within L2_PREFETCH_BYTES and the split
+    has chunks. The first chunk goes to registers; these let the rest of the weight stream start
+    while the previous kernel drains (W depends on no earlier kernel), where only one chunk a
+    warp did before. Up to 8 rows only: beyond, the register cap for two CTAs an SM leaves no room
+    for the request loop (it spilled at M = 9-16 on the CPU compile). Not yet measured on a GPU
+    (kernels/MEASURED.md)."""
+    if m_atoms > 1:
+        return 0
+    chunks = -(-k // t.chunk_k)
+    per_split = -(-chunks // t.splits)
+    rounds_in_split = -(-per_split // t.warps_k) - 1
+    round_bytes = heads * t.tiles_n(n) * t.splits * t.block_n * t.warps_k * t.chunk_k * 2
+    return max(0, min(rounds_in_split, L2_PREFETCH_BYTES // round_bytes))
 
 
 def pick_tiling(arch: str, n: int, k: int, m_atoms: int, sm_count: int, heads: int = 1) -> Tiling | WgmmaTiling:
@@ -234,7 +263,7 @@ def _skinny_gemm_kernel(
     cnt_ptr: cute.Pointer, m: Int32, scale: Float32,
     n: Constexpr, k: Constexpr, m_atoms: Constexpr,
     row_tiles: Constexpr, chunk_atoms: Constexpr, x_atoms: Constexpr,
-    warps_n: Constexpr, warps_k: Constexpr, splits: Constexpr, ops: Constexpr,
+    warps_n: Constexpr, warps_k: Constexpr, splits: Constexpr, ops: Constexpr, prefetch_rounds: Constexpr,
 ):
     cute.arch.griddepcontrol_launch_dependents()
     tid, _, _ = cute.arch.thread_idx()
@@ -274,6 +303,17 @@ def _skinny_gemm_kernel(
     if my_chunks > 0:
         _load_chunk(w_vec, w_next, head, w_row0, w_rows, n,
                     (c_begin + wk) * (chunk_k // 8) + c * (lane_elems // 8), lane_elems // 8, k, k_tail)
+    if const_expr(prefetch_rounds > 0):
+        # the next rounds of this CTA's W rows into L2, one 128-byte line a request: they stream
+        # while the previous kernel drains, and the loop finds them in L2
+        p_begin = (c_begin + warps_k) * chunk_k
+        p_end = cutlass.min((c_begin + (1 + prefetch_rounds) * warps_k) * chunk_k, c_end * chunk_k, k)
+        lines = (p_end - p_begin + 63) // 64
+        for idx in cutlass.range(tid, block_n * lines, threads):
+            r = idx // lines
+            row = cutlass.min(tile * block_n + r, n - 1)
+            col = p_begin + (idx - r * lines) * 64
+            cute.arch.prefetch((w_ptr + (cutlass.Int64(head * n + row) * k + col)).llvm_ptr, cache_level="L2")
     # launched as a PDL dependent: the first W chunk (which no kernel writes) is in flight while the
     # previous kernel finishes; x, y and the split-K scratch are touched only after its results are
     cute.arch.griddepcontrol_wait()
@@ -332,12 +372,12 @@ def _skinny_gemm_host(
     cnt_ptr: cute.Pointer, m: Int32, scale: Float32, stream: cuda.CUstream,
     n: Constexpr, k: Constexpr, m_atoms: Constexpr,
     row_tiles: Constexpr, chunk_atoms: Constexpr, x_atoms: Constexpr,
-    warps_n: Constexpr, warps_k: Constexpr, splits: Constexpr, ops: Constexpr,
+    warps_n: Constexpr, warps_k: Constexpr, splits: Constexpr, ops: Constexpr, prefetch_rounds: Constexpr,
 ):
     block_n = 16 * row_tiles * warps_n
     _skinny_gemm_kernel(
         w_ptr, x_ptr, y_ptr, e_ptr, ws_ptr, cnt_ptr, m, scale, n, k, m_atoms,
-        row_tiles, chunk_atoms, x_atoms, warps_n, warps_k, splits, ops,
+        row_tiles, chunk_atoms, x_atoms, warps_n, warps_k, splits, ops, prefetch_rounds,
     ).launch(
         grid=((n + block_n - 1) // block_n, splits, ops.heads),
         block=(32 * warps_n * warps_k, 1, 1),
@@ -369,7 +409,7 @@ def compile_skinny_gemm(n: int, k: int, m_atoms: int, out_dtype: torch.dtype, ti
         gmem_ptr(BFloat16, 16), gmem_ptr(BFloat16, 16), gmem_ptr(_OUT_DTYPES[out_dtype], 16), gmem_ptr(BFloat16, 16, 2),
         gmem_ptr(Float32, 16), gmem_ptr(Int32, 16, 4), Int32(1), Float32(1.0), cute.runtime.make_fake_stream(),
         n, k, m_atoms, tiling.row_tiles, tiling.chunk_atoms, tiling.x_atoms,
-        tiling.warps_n, tiling.warps_k, tiling.splits, ops or Operands.plain(n, k),
+        tiling.warps_n, tiling.warps_k, tiling.splits, ops or Operands.plain(n, k), tiling.prefetch_rounds,
         options=f"--gpu-arch {arch}" + (f" --keep-ptx --keep-cubin --dump-dir={ptx_dir}" if ptx_dir else ""),
     )
 
@@ -420,6 +460,9 @@ def check_envelope(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, o
     need(kind in EPILOGUES, f"epilogue must be one of {EPILOGUES}, got {kind!r}")
     need(kind == "none" or (kind == "scale") == (operand is None),
          f"the {kind!r} epilogue takes {'a float, not a tensor' if kind == 'scale' else 'a tensor'}")
+    need(kind != "scale" or out_dtype == torch.float32,
+         f"the 'scale' epilogue writes FP32 (the logit scale), got out_dtype={out_dtype}: a bf16 output would "
+         "round twice")
     if operand is not None:
         need(isinstance(operand, torch.Tensor) and tuple(operand.shape) == y_shape
              and operand.dtype == torch.bfloat16 and operand.stride(-1) == 1,
@@ -448,13 +491,14 @@ _COMPILED: dict[tuple, Any] = {}
 def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
            out_dtype: torch.dtype = torch.bfloat16, stream: torch.cuda.Stream | None = None,
            tiling: Tiling | WgmmaTiling | None = None, scale: float | None = None, addend: torch.Tensor | None = None,
-           gate: torch.Tensor | None = None) -> torch.Tensor:
+           gate: torch.Tensor | None = None, l2_prefetch: bool = True) -> torch.Tensor:
     """y = x · wᵀ (per head for 3-D x and w) into `out` (allocated when None) on `stream` (default:
     the current stream), through at most one epilogue: `scale`, `addend` or `gate`.
 
     The first call of a shape compiles (seconds); later calls only launch. Beyond 16 rows of 2-D x
     on sm_90a the step runs `skinny_gemm_wgmma`'s kernel. `tiling` overrides the heuristic and,
-    by its type, the kernel (benchmarks use it to compare tilings).
+    by its type, the kernel (benchmarks use it to compare tilings). `l2_prefetch=False` drops the
+    pick's L2 requests before the PDL wait (`l2_prefetch_rounds`), to measure what they gain.
     """
     chosen = [(kind, v) for kind, v in (("scale", scale), ("add", addend), ("gate", gate)) if v is not None]
     if len(chosen) > 1:
@@ -468,6 +512,8 @@ def launch(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None = None, *,
     m_atoms = -(-m // 8)
     if tiling is None:
         tiling = pick_tiling(dev.arch, n, k, m_atoms, dev.sm_count, heads)
+        if not l2_prefetch and isinstance(tiling, Tiling):
+            tiling = replace(tiling, prefetch_rounds=0)
     elif isinstance(tiling, WgmmaTiling) and not (dev.arch in WGMMA_ARCHS and heads == 1):
         raise SkinnyGemmEnvelopeError(f"skinny_gemm: a WgmmaTiling needs 2-D x on one of {WGMMA_ARCHS}, got "
                                       f"{heads} heads on {dev.arch}; pass a Tiling or none")

@@ -211,8 +211,11 @@ class KernelOps(DecodeOps):
 
     impl = "cute"
 
-    def __init__(self) -> None:
+    def __init__(self, l2_prefetch: bool = True) -> None:
+        """`l2_prefetch=False`: the skinny GEMMs without their L2 requests before the PDL wait
+        (`skinny_gemm.l2_prefetch_rounds`), a baseline that measures what those requests gain."""
         super().__init__()
+        self.l2_prefetch = l2_prefetch
         from ..kernels import (attn_res, embedding, kda_decode, mla_cache_write, mla_decode, moe_experts, moe_router,
                                rms_norm, situ_mul, skinny_gemm)
         self.k_attn_res, self.k_embedding, self.k_kda = attn_res, embedding, kda_decode
@@ -233,16 +236,16 @@ class KernelOps(DecodeOps):
         if not self.k_gemm.reads_in_place(x):
             x = self.copy(x)
         self._rec("skinny_gemm")
-        return self.k_gemm.launch(x, w, out_dtype=out_dtype, addend=addend, scale=scale)
+        return self.k_gemm.launch(x, w, out_dtype=out_dtype, addend=addend, scale=scale, l2_prefetch=self.l2_prefetch)
 
     def mla_absorb(self, q: torch.Tensor, mla: MLAAbsorption) -> torch.Tensor:
         self._rec("skinny_gemm")  # per head: q · [[W_UKᵀ, 0], [0, I]]ᵀ = [q_nope · W_UK | q_pe]
-        return self.k_gemm.launch(q, mla.q_to_latent)
+        return self.k_gemm.launch(q, mla.q_to_latent, l2_prefetch=self.l2_prefetch)
 
     def mla_unabsorb(self, ol: torch.Tensor, mla: MLAAbsorption, gate: torch.Tensor) -> torch.Tensor:
         self._rec("skinny_gemm")  # per head, the output gate in its epilogue
         heads, d_v = mla.w_uv.shape[:2]
-        o = self.k_gemm.launch(ol, mla.w_uv, gate=gate.view(-1, heads, d_v))
+        o = self.k_gemm.launch(ol, mla.w_uv, gate=gate.view(-1, heads, d_v), l2_prefetch=self.l2_prefetch)
         return o.view(-1, heads * d_v)
 
     def rms_norm(self, x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -282,13 +285,15 @@ class KernelOps(DecodeOps):
         self._rec("mla_decode")
         self._rec("mla_combine")
         return self.k_mla.launch(q_lat.contiguous(), cache, meta.block_table, meta.seq_lens, meta.query_start,
-                                 meta.q)
+                                 meta.q, tau=tau)
 
     def route(self, logits: torch.Tensor, bias: torch.Tensor, cfg: K3TextConfig
               ) -> tuple[torch.Tensor, torch.Tensor]:
         self._rec("moe_router")
         weights, ids = self.k_router.launch(logits, bias, cfg.num_experts_per_token, renormalize=cfg.moe_renormalize,
-                                            routed_scaling_factor=cfg.routed_scaling_factor)
+                                            routed_scaling_factor=cfg.routed_scaling_factor,
+                                            scoring=cfg.moe_router_activation_func,
+                                            expert_groups=ref_moe.selection_groups(cfg))
         self.routed.append(ids)
         return weights, ids
 

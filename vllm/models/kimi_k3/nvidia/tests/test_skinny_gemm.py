@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import replace
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip 
 
 from vllm.models.kimi_k3.nvidia.kernels import skinny_gemm  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.skinny_gemm import Tiling, WgmmaTiling  # noqa: E402
-from vllm.models.kimi_k3.nvidia.kernels.skinny_gemm_wgmma import TILE_K, stage_bytes, token_rows  # noqa: E402
+from vllm.models.kimi_k3.nvidia.kernels.skinny_gemm_wgmma import TILE_K, choose_wgmma_tiling, stage_bytes, token_rows  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.cubin_resources import kernel_resources  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.shapes import k3_gemm_shapes  # noqa: E402
 from vllm.models.kimi_k3.nvidia.latency_specialized.evidence import write_record  # noqa: E402
@@ -88,6 +89,7 @@ def test_reads_in_place_is_the_envelope_rule_for_x():
     ("heads", "x has 3 heads but w has 2"),
     ("two", "at most one epilogue"),
     ("addend", "the add operand must be a [4, 32] bfloat16"),
+    ("scale_bf16", "the 'scale' epilogue writes FP32"),
     ("cpu", "CUDA tensors"),
 ])
 def test_envelope_errors(case, match):
@@ -118,6 +120,8 @@ def test_envelope_errors(case, match):
         kw = {"scale": 2.0, "addend": torch.zeros(4, 32, dtype=torch.bfloat16)}
     elif case == "addend":
         kw = {"addend": torch.zeros(4, 16, dtype=torch.bfloat16)}
+    elif case == "scale_bf16":
+        kw = {"scale": 2.0}
     with pytest.raises(skinny_gemm.SkinnyGemmEnvelopeError, match=re.escape(match)):
         skinny_gemm.launch(x, w, out, **kw)
 
@@ -135,10 +139,11 @@ def test_tilings_cover_every_shape_and_row_count():
 
 # ---------------------------------------------------------------- compile checks (CPU)
 
-COMPILE_CASES = [  # (shape name, m_atoms): split-K with fp32 out, K tail (2112 % 128), tiny K
+COMPILE_CASES = [  # (shape name, m_atoms): split-K with fp32 out, K tail (2112 % 128), tiny K, L2 prefetch
     ("moe_router@tp8", 1),
     ("dense_down@tp16", 5),
     ("kda_f_b@tp16", 8),
+    ("kda_in_proj@tp16", 1),
 ]
 
 
@@ -159,6 +164,27 @@ def test_compiles_for_arch(arch, name, m_atoms, tmp_path):
     order = [ptx.index(op) for op in ("griddepcontrol.launch_dependents", "ld.global.v4", "griddepcontrol.wait",
                                       "mma.sync")]
     assert order == sorted(order), order
+    # the next rounds of W requested into L2 before the wait, where the rule gives any
+    assert ("prefetch.global.L2" in ptx) == (t.prefetch_rounds > 0), t
+    if t.prefetch_rounds:
+        assert ptx.index("prefetch.global.L2") < ptx.index("griddepcontrol.wait")
+
+
+def test_l2_prefetch_stays_within_its_budget_and_the_split():
+    """Where the rule requests W rounds into L2 before the PDL wait (up to 8 rows: beyond, the
+    register cap for two 16-warp CTAs an SM leaves no room for the request loop), the grid's
+    requests fit L2_PREFETCH_BYTES, and no warp is asked for a round its split does not have."""
+    prefetching = 0
+    for s in SHAPES:
+        for m_atoms in (1, 2, 8):
+            t = skinny_gemm.choose_tiling(s.n, s.k, m_atoms, 132)
+            per_split = -(-(-(-s.k // t.chunk_k)) // t.splits)  # the first split's chunks, the most
+            assert 0 <= t.prefetch_rounds <= -(-per_split // t.warps_k) - 1, (s.name, m_atoms, t)
+            grid_bytes = t.tiles_n(s.n) * t.splits * t.block_n * t.warps_k * t.chunk_k * 2 * t.prefetch_rounds
+            assert grid_bytes <= skinny_gemm.L2_PREFETCH_BYTES, (s.name, m_atoms, t)
+            prefetching += t.prefetch_rounds > 0
+            assert m_atoms == 1 or t.prefetch_rounds == 0, (s.name, m_atoms, t)
+    assert prefetching, "the rule never prefetches"
 
 
 def test_every_pick_fits_the_residency_it_was_chosen_for(tmp_path):
@@ -213,7 +239,8 @@ def test_small_m_tilings_follow_the_sweep():
     """The picks at M <= 16 are the sweep's best (2026-12-04, TP16): 16 warps along K for long K
     or few N tiles, 2 × 8 where K is moderate and N fills the SMs, 2 × 3 of 128-wide chunks for
     short K."""
-    pick = {s.name: skinny_gemm.choose_tiling(s.n, s.k, 1, 132) for s in k3_gemm_shapes()}
+    # the cut only: the L2 prefetch depth follows from it (test_l2_prefetch_...)
+    pick = {s.name: replace(skinny_gemm.choose_tiling(s.n, s.k, 1, 132), prefetch_rounds=0) for s in k3_gemm_shapes()}
     deep = skinny_gemm.Tiling(1, 4, 2, 1, 16, 1)
     for name in ("lm_head@tp16", "dense_gate_up@tp16", "moe_latent_down@tp16", "kda_in_proj@tp16",
                  "mla_fused_a@tp16", "mla_q_b@tp16"):
@@ -242,6 +269,22 @@ def test_wgmma_tilings_fit_two_ctas_an_sm_and_give_every_split_work():
             per_split = -(-k_tiles // t.splits)
             assert per_split * (t.splits - 1) < k_tiles, (s.name, m_atoms, t)  # the last split has a tile
             assert 2 * (t.stages * stage_bytes(t.block_w, m_atoms) + 1024) <= 228 * 1024, (s.name, m_atoms, t)
+
+
+def test_wgmma_cost_model_splits_only_where_n_leaves_sms_idle():
+    """`choose_wgmma_tiling`'s model keeps one split where N alone gives every SM the same CTAs
+    (a split only adds partials and a sum), splits a long K over few N tiles, and never splits
+    below two K tiles or past partials of a quarter of W's bytes."""
+    even = choose_wgmma_tiling(132 * 64, 7168, 4, 132)
+    assert even.splits == 1, even
+    few = choose_wgmma_tiling(8 * 64, 32768, 8, 132)
+    assert few.splits > 4, few
+    for s in SHAPES:
+        for m_atoms in (4, 8):
+            t = choose_wgmma_tiling(s.n, s.k, m_atoms, 132)
+            k_tiles = -(-s.k // TILE_K)
+            assert t.splits == 1 or -(-k_tiles // t.splits) >= 2, (s.name, m_atoms, t)
+            assert t.splits * 2 * 4 * token_rows(m_atoms) * s.n <= s.n * s.k * 2 / 4 or t.splits == 1, (s.name, t)
 
 
 def test_wgmma_kernel_is_hopper_only():

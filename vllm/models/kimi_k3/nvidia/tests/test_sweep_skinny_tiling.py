@@ -7,6 +7,7 @@ kernel's candidates."""
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -85,6 +86,9 @@ def test_the_sweep_finds_the_fastest_correct_tiling_and_reports_failures(monkeyp
     tilings = [{k: v for k, v in c["tiling"].items() if k != "kernel"} for c in r["candidates"]]
     assert any(skinny_gemm.Tiling(**t) not in stage_one + [pick] for t in tilings)
     assert all(c["tiling"]["kernel"] == "warp" for c in r["candidates"])  # one row: no wgmma candidates
+    # the pick's L2 requests before the PDL wait are timed against the same pick without them
+    assert pick.prefetch_rounds > 0
+    assert sweep.describe(replace(pick, prefetch_rounds=0)) in [c["tiling"] for c in r["candidates"]]
 
 
 def test_beyond_16_rows_on_hopper_the_sweep_times_the_wgmma_kernel_too(monkeypatch):
