@@ -119,9 +119,6 @@ def choose_tiling(gate_up: bool, n_out: int, k: int, m_atoms: int, experts: int 
     (benchmarks/sweep_moe_tiling.py, H200, TP16): gate/up at M <= 8 puts all 8 warps along K over
     64-wide chunks, one 16-row pair per warp: 14.5 µs at M = 1 and about 82 at M = 8 against
     17.7 and 131 for the class above, whose 8 warps with 128-wide chunks were the slowest at M = 8.
-    And down at M <= 8 over a K of at most 4 chunks (TP16 and TP8: 3) walks all of K in each warp,
-    8 warps along N: at TP16 and one row 6.6 µs against 7.3 for 3 warps along K, whose partial
-    sums met in shared memory (the same sweep: every warps_k = 1 candidate took 6.5-6.6 µs).
 
     Gate/up warps cover 8 outputs instead of 16 where that loads the SMs more evenly (`wave_fill`
     of the selected experts' CTAs, all resident): at TP16 and one row, 16 experts × 12 CTAs of
@@ -136,8 +133,6 @@ def choose_tiling(gate_up: bool, n_out: int, k: int, m_atoms: int, experts: int 
     row_tiles = 2 if gate_up or not small_m else 1
     chunks = k // (16 * chunk_atoms)
     warps_k = max(1, min(8 if gate_up and m_atoms == 1 else 4, chunks))
-    if not gate_up and m_atoms == 1 and chunks <= 4:
-        warps_k = 1
     warps_n = max(1, 8 // warps_k)
     while n_out % (16 * warps_n * (1 if gate_up else row_tiles)):
         warps_n //= 2
