@@ -62,6 +62,9 @@ step() {
 gpu_memory_log() {
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -l 5 > "$W/gpu_mem.log" 2>&1 &
   GPU_MEMORY_LOG=$!
+  # out of the job table, so that a bare `wait` for a call's lanes does not wait on this endless
+  # loop too (2026-12-05: it held a judging call until its 600 s limit)
+  disown "$GPU_MEMORY_LOG"
 }
 gpu_memory_peak() {
   [ -n "${GPU_MEMORY_LOG:-}" ] || return 0

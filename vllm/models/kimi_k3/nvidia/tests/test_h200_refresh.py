@@ -298,10 +298,11 @@ def test_the_memory_log_samples_until_stopped_and_reports_the_peak(tmp_path):
     fake.parent.mkdir()
     fake.write_text('#!/bin/bash\nwhile true; do echo "0, 61715"; echo "1, 114966"; sleep 0.05; done\n')
     fake.chmod(0o755)
+    # a bare `wait` (a call's lanes) returns while the log still samples
     script = "\n".join([f"W={tmp_path}", f"PATH={fake.parent}:$PATH", *fns,
-                        "gpu_memory_log", "sleep 0.3", "gpu_memory_peak", "gpu_memory_peak"])
+                        "gpu_memory_log", "sleep 0.3 & wait; echo waited", "gpu_memory_peak", "gpu_memory_peak"])
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True, timeout=20).stdout
-    assert out.strip() == "peak GPU memory: 114966 MiB"  # the second call has nothing left to stop
+    assert out.split("\n")[:2] == ["waited", "peak GPU memory: 114966 MiB"]  # the second call: nothing to stop
     assert "0, 61715" in (tmp_path / "gpu_mem.log").read_text()
 
 
