@@ -7,6 +7,7 @@
                                 -- CMD...
     fast-track record-tests --out FILE --kind KIND --family F --source PATH [--source ...] -- PYTEST CMD...
     fast-track stale [--model DIR]
+    fast-track compare BEFORE AFTER [--control REGEX] [--field time_us]
 
 `check` prints the markdown review and writes it to --report too (e.g.
 $GITHUB_STEP_SUMMARY); exit 0 only when every automatic item holds, 1 when one does not,
@@ -17,9 +18,11 @@ folder). Run from anywhere inside the checkout under review.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 from pathlib import Path
 
+from .compare import compare, load, render as render_comparison
 from .coverage_record import write_coverage_record
 from .evidence_report import render
 from .gitrepo import GitError, repo_root
@@ -69,7 +72,21 @@ def _parser() -> argparse.ArgumentParser:
     stale = commands.add_parser("stale",
                                 help="list the stale evidence records and the commands that refresh them")
     stale.add_argument("--model", help="the model folder (default: the only one discovered)")
+    cmp = commands.add_parser("compare", help="two benchmark records of one family, case by case")
+    cmp.add_argument("before", help="record file, or REF:PATH for the record as committed at a git ref")
+    cmp.add_argument("after", help="record file, or REF:PATH")
+    cmp.add_argument("--control", type=_regex, metavar="REGEX",
+                     help="cases the change cannot touch (regular expression on the case name): "
+                          "their median ratio is the run-to-run drift")
+    cmp.add_argument("--field", default="time_us", help="the result field compared (default: time_us)")
     return parser
+
+
+def _regex(text: str) -> re.Pattern[str]:
+    try:
+        return re.compile(text)
+    except re.error as e:
+        raise argparse.ArgumentTypeError(f"not a regular expression: {e}") from None
 
 
 def _after_dashes(run: list[str]) -> list[str]:
@@ -113,6 +130,10 @@ def main(argv: list[str] | None = None) -> int:
                 if r["status"] != "pass":
                     print(f"  {r['status']} {r['name']}: {r.get('reason', '')}")
             return 0 if counts["pass"] == len(record["results"]) else 1
+        if args.command == "compare":
+            found = compare(load(root, args.before), load(root, args.after), args.field, args.control)
+            sys.stdout.write(render_comparison(found, args.field))
+            return 0
         model = _one_model(root, args.model)
         if args.command == "stale":
             found = stale_records(model)
