@@ -18,7 +18,9 @@ Baselines on the same layers and rows: the standard path's capturable form of th
 (`TorchOps` through the same `_moe`, lanes included) in the same kind of graph; reference/moe.py's
 `moe` in eager mode, per call (its gather loop syncs the host); with `--compile`, the capturable
 form on one stream under torch.compile, graphed (`TorchOps` casts the router weight to fp32 on
-each call, 51 MB more than the floor counts: under 5% of that form's time at TP16 M <= 8). Each
+each call, 51 MB more than the floor counts: under 5% of that form's time at TP16 M <= 8).
+With `--shared-after-routing`, ours is also timed with the shared experts forked after the
+routing (`SpecializedDecode.shared_after_routing`), in the same run, as `variant_us`. Each
 case checks the kernels' output, and each torch form's, against the reference on the rows whose
 routing agrees with it, and says how many agree: the router's fp32 logits differ from the
 reference's by fp32 rounding, which can swap keys that close. A speedup target counts only the
@@ -64,6 +66,7 @@ REL_ERR_BOUND = 1e-2
 LAYER_FLOOR_TARGET = 1.3
 # a router that rounds differently swaps the odd key; one that is wrong disagrees on most rows
 ROUTING_AGREEMENT_MIN = 0.75
+VARIANT = "ours_shared_after_routing"
 
 
 def layer_bytes(w: MoEWeights, selected: float, expert_bytes: int, rows: int, hidden: int) -> float:
@@ -107,20 +110,21 @@ class Layer:
     torch.compile as `compiled(i, rows)`."""
 
     def __init__(self, model: ReferenceModel, ours: SpecializedDecode, standard: SpecializedDecode,
-                 compiled: Callable[[int, torch.Tensor], torch.Tensor] | None = None):
+                 compiled: Callable[[int, torch.Tensor], torch.Tensor] | None = None, variant: bool = False):
         self.model, self.ours, self.standard, self.compiled = model, ours, standard, compiled
+        self.variant = variant  # also time ours with the shared experts forked after the routing
         self.cfg, self.shard, self.tp = model.cfg, model.shard, model.coll.tp
         self.layers = sorted(ours.moe)
         self.expert_bytes = 3 * self.cfg.routed_expert_hidden_size * self.shard.moe_inter_real * 2
 
     @classmethod
-    def k3(cls, tp: int, compiled: bool) -> Layer:
+    def k3(cls, tp: int, compiled: bool, variant: bool = False) -> Layer:
         """Rank 0 of K3 at `tp`: LAYERS MoE layers after the dense layer 0."""
         model = k3_block(tp, layers=1 + LAYERS)
         kw = dict(max_requests=1, max_len=64, buckets=[(1, 1)], log=lambda _: None)
         ours = SpecializedDecode(model, ops=KernelOps(), **kw)
         layer = cls(model, ours, SpecializedDecode(model, ops=TorchOps(), **kw),
-                    compiled_moe(model, **kw) if compiled else None)
+                    compiled_moe(model, **kw) if compiled else None, variant)
         assert len(layer.layers) == LAYERS, layer.layers
         return layer
 
@@ -158,18 +162,32 @@ class Layer:
                for name, ex in (("ours", self.ours), ("standard_graphed", self.standard))}
         if self.compiled is not None:
             out["standard_compiled"] = (self.compiled, self.compiled.ops)
+        if self.variant:
+            out[VARIANT] = (self._shared_after_routing, self.ours.ops)
         return out
+
+    def _shared_after_routing(self, i: int, v: torch.Tensor) -> torch.Tensor:
+        """Ours with the shared experts forked after the routing (read while a graph captures)."""
+        self.ours.shared_after_routing = True
+        try:
+            return self.ours._moe(self.ours.moe[i], v)
+        finally:
+            self.ours.shared_after_routing = False
 
     def case(self, m: int, copy_bw: float, gen: torch.Generator) -> dict:
         runs = self.inputs(m, gen)
         checked = {name: self.check(runs, f, ops) for name, (f, ops) in self.paths().items()}
         agree, worst = checked.pop("ours")
+        variant = {VARIANT: checked.pop(VARIANT)} if VARIANT in checked else {}
+        agree = min([agree, *(a for a, _ in variant.values())])
+        worst = max([worst, *(e for _, e in variant.values())])
         w = {i: self.model.w.layers[i].mlp for i in self.layers}
         times = {}
         for name, (f, ops) in self.paths().items():
             times[name] = time_graph([lambda i=i, v=v, f=f: f(i, v) for i, v in runs])
             ops.reset()  # the ids it kept are in the deleted graph's pool
         t_ours = times.pop("ours")
+        variant_us = {name: times.pop(name) for name in variant}
         baselines = {**times, "reference_eager": median_us(lambda k: reference_moe(
             w[runs[k % len(runs)][0]], self.cfg, self.shard, runs[k % len(runs)][1], self.model.coll))}
         selected = statistics.mean(int(torch.unique(self.reference_ids(i, v)).numel()) for i, v in runs)
@@ -185,6 +203,7 @@ class Layer:
                 "time_us": t_ours, "floor_us": floor_us,
                 "frac_of_floor": floor_us / t_ours, "TBps": nbytes / (t_ours * 1e-6) / 1e12,
                 "selected_experts_mean": selected, "baseline_us": baselines,
+                **({"variant_us": variant_us} if variant_us else {}),
                 **{f"speedup_vs_{name}": us / t_ours for name, us in baselines.items()}}
 
 
@@ -216,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", type=int, nargs="+", default=list(BENCH_ROWS))
     p.add_argument("--compile", action="store_true",
                    help="also time the standard layer under torch.compile (one compile per TP and row count)")
+    p.add_argument("--shared-after-routing", action="store_true",
+                   help="also time ours with the shared experts forked after the routing (variant_us)")
     p.add_argument("--out", default=None, help="evidence JSON path")
     args = p.parse_args(argv)
     require_cuda(p)
@@ -225,7 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     gen = torch.Generator(device="cuda").manual_seed(0)
     results = []
     for tp in args.tps:
-        layer = Layer.k3(tp, args.compile)
+        layer = Layer.k3(tp, args.compile, args.shared_after_routing)
         for m in args.rows:
             results.append(layer.case(m, copy_bw, gen))
             print(f"  {results[-1]['name']}: {results[-1]['time_us']:.1f} us", file=sys.stderr, flush=True)
@@ -251,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
               f"{b['standard_graphed']:8.1f} {r['speedup_vs_standard_graphed']:5.2f} "
               f"{b.get('standard_compiled', float('nan')):8.1f} {b['reference_eager']:8.0f} "
               f"{r['routing_agreement']:5.2f} {r['rel_err_max_row']:8.1e}{'' if r['status'] == 'pass' else ' FAIL'}")
+    for r in results:
+        for name, us in r.get("variant_us", {}).items():
+            print(f"{r['name']}: {name} {us:.1f} us ({us / r['time_us']:.3f}x ours)")
     for t in targets:
         print(f"target {t['name']} {t['target']}: {t['value']:.3f} ({'met' if t['met'] else 'MISSED'}; "
               f"worst {t['worst_case']})")

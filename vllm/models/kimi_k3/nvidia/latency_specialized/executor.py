@@ -187,6 +187,11 @@ class SpecializedDecode:
         if overlap and not self.graphs:
             raise ExecutorError("overlap needs CUDA graphs (the lanes become graph branches); pass overlap=False")
         self.lanes = Lanes(device if overlap else None)
+        # where a MoE layer's shared experts fork onto their lane: at the layer's start, beside the
+        # router and the latent down-projection (False), or after the routing, beside the routed
+        # experts (True), which at few rows leave HBM bandwidth unused while the first phase
+        # streams the 51 MB latent down-projection; bench_moe_layer --shared-after-routing times both
+        self.shared_after_routing = False
         if output not in OUTPUTS:
             raise ExecutorError(f"output must be one of {', '.join(map(repr, OUTPUTS))}, got {output!r}: 'logits' "
                                 "for full-vocab fp32 logits, 'hidden' for the hidden states before the final norm")
@@ -374,13 +379,15 @@ class SpecializedDecode:
 
     def _moe(self, w: MoEWeights, v: torch.Tensor) -> torch.Tensor:
         cfg, ops, lanes = self.cfg, self.ops, self.lanes
-        # neither the latent down-projection nor the shared experts wait for the routing: they run
-        # beside the router (the shared experts also beside the routed ones)
+        # neither the latent down-projection nor the shared experts wait for the routing: the first
+        # runs beside the router, the second beside the router or the routed experts
         with lanes.beside(0):
             x_lat = ops.linear(v, w.latent_down)
-        with lanes.beside(1):
-            shared_part = self._gated_mlp_rank(w.shared_gate_up, w.shared_down, v)
+        if not self.shared_after_routing:
+            shared_part = self._shared_experts(w, v)
         weights, ids = ops.route(ops.linear(v, w.router, out_dtype=F32), w.bias, cfg)
+        if self.shared_after_routing:
+            shared_part = self._shared_experts(w, v)
         lanes.join(0)
         y = self.coll.all_reduce(ops.routed_experts(x_lat, ids, weights, w, cfg, self.shard))
         y = y[:, :cfg.routed_expert_hidden_size]  # a padded latent's columns are zero (moe_padding.py)
@@ -391,6 +398,11 @@ class SpecializedDecode:
         lanes.join(1)
         shared = self.coll.all_reduce(shared_part)
         return ops.linear(y, w.latent_up, addend=shared)
+
+    def _shared_experts(self, w: MoEWeights, v: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the shared experts, on lane 1 (joined before the up-projection)."""
+        with self.lanes.beside(1):
+            return self._gated_mlp_rank(w.shared_gate_up, w.shared_down, v)
 
     def _dense(self, w: DenseMLPWeights, v: torch.Tensor) -> torch.Tensor:
         return self.coll.all_reduce(self._gated_mlp_rank(w.gate_up, w.down, v))

@@ -94,6 +94,15 @@ def test_the_check_runs_the_executors_moe_layer_against_the_reference(model):
     # a NaN row fails the check (max(0.0, nan) is 0.0 in Python)
     agree, worst = layer.check(runs, lambda i, v: f(i, v) * float("nan"), ops)
     assert agree == 1.0 and worst == float("inf")
+    # the variant with the shared experts forked after the routing: the same layer, the switch reset
+    late = Layer(model, ex, ex, variant=True)
+    g, _ = late.paths()["ours_shared_after_routing"]
+    for i, v in runs[:len(layer.layers)]:
+        ops.reset()
+        got = g(i, v)
+        order = [op for op, _ in ops.trace]
+        assert order.index("situ_and_mul") > order.index("moe_route"), order  # shared after the routing
+        assert ex.shared_after_routing is False and torch.equal(got, f(i, v))
 
 
 def test_the_compiled_baseline_compiles_once_per_row_count_and_is_the_reference(model):

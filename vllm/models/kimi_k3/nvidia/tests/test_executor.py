@@ -320,10 +320,12 @@ def test_lanes_on_fork_from_and_join_into_the_current_stream(monkeypatch):
                         "work on current", "current waits side 1"]
 
 
-def test_the_step_forks_and_joins_its_lanes_where_the_executor_says(model, monkeypatch):
+@pytest.mark.parametrize("shared_after_routing", [False, True])
+def test_the_step_forks_and_joins_its_lanes_where_the_executor_says(model, monkeypatch, shared_after_routing):
     """An eager step with its lanes switched on (fake streams): MLA's cache write runs on lane 0 and
     is joined before the attention; MoE's latent down-projection (lane 0) is joined before the
-    routed experts and the shared MLP (lane 1) before the up-projection; all else stays current."""
+    routed experts and the shared MLP (lane 1), forked at the layer's start or after the routing,
+    before the up-projection; all else stays current."""
     cfg = model.cfg
     fake = None
 
@@ -334,6 +336,7 @@ def test_the_step_forks_and_joins_its_lanes_where_the_executor_says(model, monke
                 fake.log.append(f"{op} on {fake.current.name}")
 
     ex = _executor(model, Logged())
+    ex.shared_after_routing = shared_after_routing
     slots = prefill(model, ex.state, [[1, 2, 3]])
     fake = _FakeStreams(monkeypatch)
     ex.lanes = Lanes(torch.device("cuda", 0))
@@ -348,9 +351,10 @@ def test_the_step_forks_and_joins_its_lanes_where_the_executor_says(model, monke
             "mla": [*on("current", "linear"), *fork(0, "mla_cache_write"),
                     *on("current", "rms_norm", "linear", "mla_absorb"), "current waits side 0",
                     *on("current", "mla_attend", "mla_unabsorb", "linear")]}
+    shared, route = fork(1, "linear", "situ_and_mul", "linear"), on("current", "linear", "moe_route")
     mlp = {"dense": on("current", "linear", "situ_and_mul", "linear"),
-           "moe": [*fork(0, "linear"), *fork(1, "linear", "situ_and_mul", "linear"),
-                   *on("current", "linear", "moe_route"), "current waits side 0",
+           "moe": [*fork(0, "linear"), *([*route, *shared] if shared_after_routing else [*shared, *route]),
+                   "current waits side 0",
                    *on("current", "moe_experts", *(["rms_norm"] if cfg.latent_moe_use_norm else [])),
                    "current waits side 1", *on("current", "linear")]}
     want = on("current", "embed")
