@@ -8,18 +8,21 @@ replace. Cases are matched by name; each line gives both times and AFTER/BEFORE.
 
 Two runs on one card differ by a percent or two even where nothing changed (the copy
 bandwidth each measures shows it). `--control` names the cases the change cannot touch (a
-regular expression on the case name, e.g. `M=(16|32|64)$` for a change at M <= 8): their
-median ratio is that drift, each case's ratio is also given divided by it, and a case is
-flagged only where it moved further than every control did. Without controls nothing is
-flagged, since the drift is unknown.
+regular expression on the case name, e.g. `M=(16|32|64)$` for a change at M <= 8; at least
+two): their median ratio is that drift, each case's ratio is also given divided by it, and a
+case is flagged only where it moved further than every control did. Without controls nothing
+is flagged, since the drift is unknown. A diagnostic: it exits 0 whatever it flags.
 
-Timings from different GPUs, or records of different kinds or families, are refused: their
-ratios would mean nothing.
+Only passing cases with a finite positive time are compared; the others are listed as not
+compared, with the record they failed in. Timings from different GPUs, records of different
+kinds or families, and a record that names a case twice are refused: their ratios would mean
+nothing.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,11 +49,12 @@ class Comparison:
     rows: list[Row]
     only_before: list[str]
     only_after: list[str]
+    not_compared: dict[str, str]  # case -> why (failed, or no usable time), in which record
     drift: float | None  # median ratio of the controls
     spread: float | None  # the largest distance of a control's ratio from the drift
 
     def flagged(self, row: Row) -> bool:
-        if self.drift is None or self.spread is None or row.control:
+        if self.drift is None or self.spread is None:
             return False
         return abs(row.ratio / self.drift - 1.0) > self.spread
 
@@ -65,6 +69,8 @@ def load(root: Path, spec: str) -> dict[str, Any]:
             text = Path(spec).read_text()
         except OSError as e:
             raise ValueError(f"cannot read record {spec}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise ValueError(f"{spec} is not a text file") from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -81,23 +87,41 @@ def compare(before: dict[str, Any], after: dict[str, Any], field: str = "time_us
             raise ValueError(f"the records differ in {key} ({before.get(key)!r} against {after.get(key)!r}); "
                              "compare two runs of one benchmark on one kind of GPU")
 
-    def timed(record: dict[str, Any]) -> dict[str, float]:
-        out = {}
+    def cases(record: dict[str, Any], which: str,
+              unusable: dict[str, str]) -> tuple[dict[str, float], set[str]]:
+        """(the usable times by case, every case named); why the others are unusable into `unusable`."""
+        out: dict[str, float] = {}
+        seen: set[str] = set()
         for r in record["results"]:
-            value = r.get(field) if isinstance(r, dict) else None
-            if isinstance(value, (int, float)) and value > 0:
-                out[str(r.get("name"))] = float(value)
-        return out
+            name = r.get("name") if isinstance(r, dict) else None
+            if not isinstance(name, str) or not name:
+                raise ValueError(f"a result of the {which} record has no name; records name every case")
+            if name in seen:
+                raise ValueError(f"the {which} record names case {name!r} twice")
+            seen.add(name)
+            value = r.get(field)
+            if r.get("status", "pass") != "pass":
+                why = f"{r.get('status')} in the {which} record"
+            elif not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+                why = f"no finite positive `{field}` in the {which} record"
+            else:
+                out[name] = float(value)
+                continue
+            unusable[name] = f"{unusable[name]}; {why}" if name in unusable else why
+        return out, seen
 
-    b, a = timed(before), timed(after)
-    if not b or not a:
-        which = "the first" if not b else "the second"
-        raise ValueError(f"no case has a positive `{field}` in {which} record")
+    unusable: dict[str, str] = {}
+    (b, named_b), (a, named_a) = cases(before, "first", unusable), cases(after, "second", unusable)
     rows = [Row(n, b[n], a[n], bool(control and control.search(n))) for n in b if n in a]
+    if not rows:
+        raise ValueError(f"no case has a usable `{field}` in both records")
     ratios = [r.ratio for r in rows if r.control]
+    if control is not None and len(ratios) < 2:
+        raise ValueError(f"--control {control.pattern!r} matches {len(ratios)} compared case(s); it needs "
+                         "at least two, whose spread says how far runs drift")
     drift = statistics.median(ratios) if ratios else None
     spread = max(abs(x / drift - 1.0) for x in ratios) if drift else None
-    return Comparison(rows, sorted(set(b) - set(a)), sorted(set(a) - set(b)), drift, spread)
+    return Comparison(rows, sorted(named_b - named_a), sorted(named_a - named_b), unusable, drift, spread)
 
 
 def render(c: Comparison, field: str = "time_us") -> str:
@@ -119,4 +143,6 @@ def render(c: Comparison, field: str = "time_us") -> str:
     for label, names in (("only in the first record", c.only_before), ("only in the second", c.only_after)):
         if names:
             lines.append(f"{label}: {', '.join(names)}")
+    for name, why in c.not_compared.items():
+        lines.append(f"not compared: {name} ({why})")
     return "\n".join(lines) + "\n"
