@@ -14,7 +14,8 @@ BENCH = "vllm/models/toy/acme/evidence/h200/bench.json"
 def record(times: dict[str, float], gpu: str = "NVIDIA H200", family: str = "moe", kind: str = "kernel-bench",
            status: dict[str, str] | None = None) -> dict:
     return {"kind": kind, "family": family, "gpu": gpu,
-            "results": [{"name": n, "status": (status or {}).get(n, "pass"), "time_us": t} for n, t in times.items()]}
+            "results": [{"name": n, "status": (status or {}).get(n, "pass"), "time_us": t}
+                        for n, t in times.items()]}
 
 
 BEFORE = {"a M=1": 20.0, "a M=8": 100.0, "a M=16": 200.0, "a M=64": 400.0, "gone M=2": 5.0}
@@ -55,7 +56,8 @@ def test_failed_or_timeless_cases_are_listed_not_compared():
 
 @pytest.mark.parametrize("before, after, control, message", [
     (record({"x": 1.0, "y": 2.0}), record({"x": 1.0, "y": 2.0}), re.compile("x"), "matches 1 compared case"),
-    ({**record({}), "results": [{"name": "x", "time_us": 1.0}] * 2}, record({"x": 1.0}), None, "names case 'x' twice"),
+    ({**record({}), "results": [{"name": "x", "time_us": 1.0}] * 2}, record({"x": 1.0}), None,
+     "names case 'x' twice"),
     ({**record({}), "results": [{"time_us": 1.0}]}, record({"x": 1.0}), None, "has no name"),
     (record({"x": 0.0}), record({"x": 1.0}), None, "no case has a usable"),
 ])
