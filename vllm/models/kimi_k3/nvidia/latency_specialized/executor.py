@@ -173,7 +173,8 @@ class SpecializedDecode:
                  buckets: Sequence[tuple[int, int]], ops: DecodeOps | None = None, graphs: bool | None = None,
                  block_size: int = 64, output: str = "logits", inputs: str = "ids",
                  pools: tuple[dict[int, KDALayerState], dict[int, MLALayerState]] | None = None,
-                 log: Callable[[str], None] | None = None, overlap: bool | None = None):
+                 log: Callable[[str], None] | None = None, overlap: bool | None = None,
+                 shared_after_routing: bool = False):
         self.model, self.cfg, self.shard, self.coll = model, model.cfg, model.shard, model.coll
         self.w = model.w
         device = self.w.embed.device
@@ -190,8 +191,9 @@ class SpecializedDecode:
         # where a MoE layer's shared experts fork onto their lane: at the layer's start, beside the
         # router and the latent down-projection (False), or after the routing, beside the routed
         # experts (True), which at few rows leave HBM bandwidth unused while the first phase
-        # streams the 51 MB latent down-projection; bench_moe_layer --shared-after-routing times both
-        self.shared_after_routing = False
+        # streams the 51 MB latent down-projection; bench_moe_layer --shared-after-routing times
+        # both. Fixed here: the build below captures the step graphs with it
+        self.shared_after_routing = bool(shared_after_routing)
         if output not in OUTPUTS:
             raise ExecutorError(f"output must be one of {', '.join(map(repr, OUTPUTS))}, got {output!r}: 'logits' "
                                 "for full-vocab fp32 logits, 'hidden' for the hidden states before the final norm")
@@ -377,16 +379,17 @@ class SpecializedDecode:
         o = ops.mla_unabsorb(ops.mla_attend(q_lat, cache, meta, r_kv, self.tau), self.absorb[i], gate)
         return self.coll.all_reduce(ops.linear(o, w.o_proj))
 
-    def _moe(self, w: MoEWeights, v: torch.Tensor) -> torch.Tensor:
+    def _moe(self, w: MoEWeights, v: torch.Tensor, shared_after_routing: bool | None = None) -> torch.Tensor:
         cfg, ops, lanes = self.cfg, self.ops, self.lanes
+        late = self.shared_after_routing if shared_after_routing is None else shared_after_routing
         # neither the latent down-projection nor the shared experts wait for the routing: the first
         # runs beside the router, the second beside the router or the routed experts
         with lanes.beside(0):
             x_lat = ops.linear(v, w.latent_down)
-        if not self.shared_after_routing:
+        if not late:
             shared_part = self._shared_experts(w, v)
         weights, ids = ops.route(ops.linear(v, w.router, out_dtype=F32), w.bias, cfg)
-        if self.shared_after_routing:
+        if late:
             shared_part = self._shared_experts(w, v)
         lanes.join(0)
         y = self.coll.all_reduce(ops.routed_experts(x_lat, ids, weights, w, cfg, self.shard))

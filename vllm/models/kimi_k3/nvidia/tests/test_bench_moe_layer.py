@@ -94,7 +94,8 @@ def test_the_check_runs_the_executors_moe_layer_against_the_reference(model):
     # a NaN row fails the check (max(0.0, nan) is 0.0 in Python)
     agree, worst = layer.check(runs, lambda i, v: f(i, v) * float("nan"), ops)
     assert agree == 1.0 and worst == float("inf")
-    # the variant with the shared experts forked after the routing: the same layer, the switch reset
+    # the variant with the shared experts forked after the routing: the same layer, the executor's
+    # own form untouched
     late = Layer(model, ex, ex, variant=True)
     g, _ = late.paths()["ours_shared_after_routing"]
     for i, v in runs[:len(layer.layers)]:
@@ -103,6 +104,32 @@ def test_the_check_runs_the_executors_moe_layer_against_the_reference(model):
         order = [op for op, _ in ops.trace]
         assert order.index("situ_and_mul") > order.index("moe_route"), order  # shared after the routing
         assert ex.shared_after_routing is False and torch.equal(got, f(i, v))
+
+
+def test_a_case_reports_the_variant_apart_and_fails_when_it_is_wrong(model, monkeypatch):
+    """`Layer.case` with the timing stubbed (it needs a GPU): the variant's time and errors are
+    its own fields, not a baseline's nor mixed into ours, and a wrong variant fails the case."""
+    from vllm.models.kimi_k3.nvidia.benchmarks import bench_moe_layer as bench
+    from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import ReferenceOps
+    from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
+
+    timed = iter([10.0, 20.0, 12.0, 10.0, 20.0, 12.0])  # ours, standard graphed, the variant; twice
+    monkeypatch.setattr(bench, "time_graph", lambda fns: next(timed))
+    monkeypatch.setattr(bench, "median_us", lambda f: 100.0)
+    ex = SpecializedDecode(model, max_requests=1, max_len=16, buckets=[(1, 1)], ops=ReferenceOps(), graphs=False,
+                           log=lambda _: None)
+    layer = bench.Layer(model, ex, ex, variant=True)
+    r = layer.case(2, 4.0, torch.Generator().manual_seed(0))
+    assert r["status"] == "pass" and r["time_us"] == 10.0 and r["variant_us"] == {bench.VARIANT: 12.0}
+    assert set(r["baseline_us"]) == {"standard_graphed", "reference_eager"}
+    assert r["variant_rel_err"][bench.VARIANT] < 1e-6 and r["variant_routing_agreement"][bench.VARIANT] == 1.0
+
+    wrong = ex._moe
+    monkeypatch.setattr(ex, "_moe", lambda w, v, shared_after_routing=None: wrong(w, v) * (
+        2.0 if shared_after_routing else 1.0))
+    r = layer.case(2, 4.0, torch.Generator().manual_seed(0))
+    assert r["status"] == "fail" and r["variant_rel_err"][bench.VARIANT] > 0.5
+    assert r["rel_err_max_row"] < 1e-6  # ours is still right, and says so
 
 
 def test_the_compiled_baseline_compiles_once_per_row_count_and_is_the_reference(model):

@@ -335,8 +335,7 @@ def test_the_step_forks_and_joins_its_lanes_where_the_executor_says(model, monke
             if fake is not None:
                 fake.log.append(f"{op} on {fake.current.name}")
 
-    ex = _executor(model, Logged())
-    ex.shared_after_routing = shared_after_routing
+    ex = _executor(model, Logged(), shared_after_routing=shared_after_routing)
     slots = prefill(model, ex.state, [[1, 2, 3]])
     fake = _FakeStreams(monkeypatch)
     ex.lanes = Lanes(torch.device("cuda", 0))
