@@ -8,12 +8,14 @@ and in any batch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
 
 import torch
 
 TokenMask = Callable[[Sequence[int]], torch.Tensor]  # output ids so far -> bool [V] allowed
+MIN_TEMPERATURE = 1e-2  # vLLM's: a smaller positive temperature is raised to it
 
 
 @dataclass
@@ -27,8 +29,11 @@ class SamplingParams:
     token_mask: Optional[TokenMask] = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, found {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0: greedy), found {self.temperature}")
+        if 0 < self.temperature < MIN_TEMPERATURE:
+            # as vLLM: below it the softmax overflows to inf/NaN; raised to it, not failed later
+            self.temperature = MIN_TEMPERATURE
         if self.top_k < 0:
             raise ValueError(f"top_k must be >= 0 (0 disables it), found {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from vllm.models.kimi_k3.nvidia.latency_specialized.sampler import (SamplingParams, filter_logits,
+from vllm.models.kimi_k3.nvidia.latency_specialized.sampler import (MIN_TEMPERATURE, SamplingParams, filter_logits,
                                                                      sample)
 
 
@@ -58,8 +58,18 @@ def test_temperature_zero_is_argmax_and_mask_is_applied_first():
         sample(x[None], [SamplingParams(token_mask=lambda out: torch.zeros(50, dtype=torch.bool))], [None], [[]])
 
 
-@pytest.mark.parametrize("kw, msg", [({"temperature": -1}, "temperature"), ({"top_p": 0.0}, "top_p"),
+@pytest.mark.parametrize("kw, msg", [({"temperature": -1}, "temperature"), ({"temperature": float("nan")}, "finite"),
+                                     ({"temperature": float("inf")}, "finite"), ({"top_p": 0.0}, "top_p"),
                                      ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens")])
 def test_bad_params_are_refused(kw, msg):
     with pytest.raises(ValueError, match=msg):
         SamplingParams(**kw)
+
+
+def test_a_tiny_temperature_is_raised_as_vllm_raises_it_and_samples():
+    """Below vLLM's 1e-2 the softmax of the scaled logits overflows (a traceback from multinomial
+    at 1e-39); vLLM raises such a temperature to 1e-2, and so does this sampler."""
+    p = SamplingParams(temperature=1e-39, seed=0)
+    assert p.temperature == MIN_TEMPERATURE == 1e-2
+    x = torch.randn(50) * 30
+    assert sample(x[None], [p], [torch.Generator().manual_seed(0)], [[]]) == [int(torch.argmax(x))]
