@@ -146,7 +146,8 @@ class Engine:
         for i, t in zip(which, toks):
             outs[i].append(t)
             p = requests[i].params
-            if t in p.stop_token_ids:
+            # a grammar's own stop token (EOS) ends the request too: after it the grammar allows nothing
+            if t in p.stop_token_ids or t in getattr(p.token_mask, "stop_token_ids", ()):
                 finish[i] = "stop"
             elif len(outs[i]) >= p.max_tokens:
                 finish[i] = "length"

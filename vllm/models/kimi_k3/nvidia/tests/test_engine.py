@@ -3,6 +3,7 @@ preserve — temperature sampling and structured output behave the same whicheve
 dispatcher picks."""
 
 import json
+import re
 
 import pytest
 
@@ -179,3 +180,16 @@ def test_one_grammar_object_serves_a_retry_and_two_requests(model):
     for c in (*first, *again, *both):
         assert c.finish_reason == "stop" and re.fullmatch(r"(abc|xyz)[0-9]", TOK.decode(c.output_ids)), c
     assert first[0].output_ids == again[0].output_ids
+
+
+def test_a_grammar_ends_its_request_without_eos_among_the_stop_tokens(model):
+    """A grammar that has matched allows only its stop token (EOS): sampling it ends the request
+    even when the caller left EOS out of stop_token_ids, where the next step would have asked a
+    terminated matcher for a mask."""
+    pytest.importorskip("xgrammar", reason="structured output needs xgrammar ([test] extra)")
+    from vllm.models.kimi_k3.nvidia.latency_specialized.structured import GrammarConstraint
+
+    p = SamplingParams(max_tokens=20, token_mask=GrammarConstraint.regex(r"ab[0-9]", model.cfg.vocab_size))
+    (c,) = Engine(model, max_requests=1, max_len=64).generate([Request(TOK.encode("q:"), p)])
+    assert c.finish_reason == "stop" and c.output_ids[-1] == TOK.EOS and len(c.output_ids) == 4
+    assert re.fullmatch(r"ab[0-9]", TOK.decode(c.output_ids))
