@@ -163,10 +163,14 @@ def test_harness_runs_both_paths_and_writes_a_wellformed_record(model, tmp_path)
     for t in ("mrcr", "kv", "arith"):
         assert {f"{t}@160/standard", f"{t}@160/specialized", f"{t}@160/parity"} <= names
     assert all(r["status"] in ("pass", "fail") for r in disk["results"])
-    # both paths ran the reference (no executor yet): identical outputs, every gate met
-    assert all(t["met"] for t in disk["targets"]) and len(disk["targets"]) == 3 * 2 + 2
+    # both paths ran the reference (no executor): identical outputs, so every comparison holds,
+    # and the gate that the specialized path served its steps fails: nothing was compared
+    served = [t for t in disk["targets"] if "served by the specialized path" in t["name"]]
+    assert len(served) == 3 and not any(t["met"] for t in served) and len(disk["targets"]) == 3 * 4 + 2
+    assert all(t["met"] for t in disk["targets"] if t not in served)
     par = [r for r in disk["results"] if r["name"].endswith("/parity")]
-    assert all(r["greedy_agreement"] == 1.0 and r["logit_max_abs"] == 0.0 and r["forced_steps"] > 0 for r in par)
+    assert all(r["greedy_agreement"] == 1.0 and r["logit_max_abs"] == 0.0 and r["forced_steps"] > 0
+               and r["specialized_steps"] == 0 and r["status"] == "fail" for r in par)
     # the record says honestly what served the specialized side
     assert disk["paths_served"]["specialized"].get("specialized", 0) == 0
     spec_counts = disk["dispatch"]["specialized"]
@@ -195,9 +199,22 @@ def test_harness_gates_catch_a_diverging_specialized_path(model):
     paths = harness.Paths(model, H200, specialized=_skewed(model, 40.0), executor=_Admit())
     results, targets = harness.run_tasks(paths, _spec(tasks=("kv",)))
     par = next(r for r in results if r["name"] == "kv@160/parity")
-    assert par["greedy_agreement"] < 0.99 and par["status"] == "fail"
+    assert par["greedy_agreement"] < 0.99 and par["status"] == "fail" and par["specialized_steps"] > 0
     assert par["logit_max_abs"] == pytest.approx(40.0, rel=1e-3) and par["kl_max"] > 0.1
     assert not next(t for t in targets if "greedy" in t["name"])["met"]
+
+
+def test_the_kl_gate_catches_a_skew_that_keeps_every_argmax(model):
+    """Logits times 3 pick the same greedy tokens (agreement 1.0, accuracy equal) but sharpen every
+    distribution: only the KL gate fails it."""
+    def sharpened(ids, segs, state):
+        return model.logits(model.forward(ids, segs, state)) * 3.0
+
+    paths = harness.Paths(model, H200, specialized=sharpened, executor=_Admit())
+    results, targets = harness.run_tasks(paths, _spec(tasks=("kv",)))
+    par = next(r for r in results if r["name"] == "kv@160/parity")
+    assert par["greedy_agreement"] == 1.0 and par["kl_max"] > harness.KL_BOUND and par["status"] == "fail"
+    assert [t["met"] for t in targets] == [True, True, True, False]  # served, accuracy, greedy, KL
     assert paths.served["specialized"]["specialized"] > 0
 
 
@@ -212,9 +229,11 @@ class _AdmittingDecode(_Admit):
 
 
 def test_agreement_floor_by_hand():
-    # per-sample rates (1, 0) and (1, 1): SE of the first mean 0.5, of the second 0
-    assert harness.agreement_floor([1.0, 0.0], 0.9, [1.0, 1.0]) == pytest.approx(0.9 - 2 * 0.5)
-    assert harness.agreement_floor([1.0, 1.0], 1.0, [1.0, 1.0]) == 1.0
+    # the yardstick's rates (1, 0, 1, 0): sample variance 1/3, SE of their mean sqrt(1/3 / 4)
+    assert harness.agreement_floor(0.5, [1.0, 0.0, 1.0, 0.0]) == pytest.approx(0.5 - 2 * math.sqrt(1 / 3) / 2)
+    assert harness.agreement_floor(1.0, [1.0] * 4) == 1.0
+    # too few yardstick samples to say how far it scatters: the plain bar
+    assert harness.agreement_floor(0.5, [1.0, 0.0]) == harness.GREEDY_AGREEMENT
     rate, rates, total = harness.agreement([[1, 2, 3], [4]], [[1, 2, 0], [4, 5]])
     assert (rate, rates, total) == (pytest.approx(3 / 5), [pytest.approx(2 / 3), 0.5], 5)
 
@@ -225,10 +244,12 @@ def test_greedy_agreement_is_judged_against_the_yardstick(model):
     skew = _skewed(model, 40.0)
     paths = harness.Paths(model, H200, specialized=skew, executor=_Admit())
     paths.use_yardstick(_AdmittingDecode(skew))
-    results, targets = harness.run_tasks(paths, _spec(tasks=("kv",)))
+    results, targets = harness.run_tasks(paths, _spec(tasks=("kv",), samples=harness.MIN_YARDSTICK_SAMPLES))
     par = next(r for r in results if r["name"] == "kv@160/parity")
     assert par["greedy_agreement"] < 0.99 and par["yardstick_agreement"] == par["greedy_agreement"]
-    assert par["agreement_floor"] <= par["greedy_agreement"] and par["status"] == "pass"
+    # the agreement gate passes next to the yardstick (the skew's KL fails its own gate)
+    assert par["agreement_floor"] <= par["greedy_agreement"] and par["agreement_floor"] < 0.99
+    assert next(t for t in targets if "greedy" in t["name"])["met"]
     assert paths.served[harness.YARDSTICK]["specialized"] > 0
 
     exact = _AdmittingDecode(lambda ids, segs, state: model.logits(model.forward(ids, segs, state)))
