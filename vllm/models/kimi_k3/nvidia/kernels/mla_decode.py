@@ -9,12 +9,13 @@ latent output ol, before W_UV): for every query row i of a request, with q_lat_i
 (576 = 512 + 64, bf16; ql = bf16(q_nope · W_UK) comes from a batched GEMM outside) and the
 cache rows kv_t = [c_t | k_pe_t] (576, bf16),
 
-    s_it  = τ · q_lat_i · kv_t               τ = 1/sqrt(192), FP32 from bf16 products
+    s_it  = τ · q_lat_i · kv_t               τ: `launch`'s tau (K3: 1/sqrt(192)), FP32 from bf16 products
     p_it  = softmax_t(s_it) over t ≤ L − q + j     (row i belongs to verify token j)
     ol_i  = bf16(Σ_t p_it · c_t)             (the latent is the value; W_UV stays outside)
 
 Statistics (max, sum) and accumulators are FP32; the weights p are rounded to bf16 for the
-P·V tensor-core products (the reference keeps them FP32: ~2^-9 relative per weight).
+P·V tensor-core products (the reference keeps them FP32: ~2^-9 relative per weight), while the
+sum of the weights is taken from the unrounded ones.
 
 Envelope: q_lat `[rows, heads, 576]` and out `[rows, heads, 512]` bf16 contiguous; the cache
 `[num_blocks, block_size, 576]` bf16 contiguous (any block_size >= 1; block id 0 may be the
@@ -97,7 +98,7 @@ MAX_REQUESTS = 64  # two per lane in the warp-wide schedule
 MAX_Q = 8
 MAX_HEADS = 128
 MAX_CONTEXT = 1 << 20  # declared in SCOPE.yaml; longer contexts go to the standard path
-SCALE_LOG2 = math.log2(math.e) / math.sqrt(192.0)  # τ with exp folded into exp2
+K3_TAU = 1.0 / math.sqrt(192.0)  # 1/sqrt(d_nope + d_rope): `launch`'s default softmax scale
 INFO = mla_combine.INFO_FIELDS
 SMEM_PER_CTA = 227 * 1024
 SMEM_PER_SM = 228 * 1024  # sm_90 and sm_100
@@ -423,7 +424,7 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
                        lens_ptr: cute.Pointer, starts_ptr: cute.Pointer, out_ptr: cute.Pointer,
                        ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, info_ptr: cute.Pointer,
                        rows: Int32, requests: Int32, num_blocks: Int32, max_blocks: Int32, slots: Int32,
-                       target: Int32, min_chunks: Int32, plan: Constexpr):
+                       target: Int32, min_chunks: Int32, scale_log2: Float32, plan: Constexpr):
     cute.arch.griddepcontrol_launch_dependents()  # a PDL-launched GEMM may start its W loads (skinny_gemm.py)
     tid, _, _ = cute.arch.thread_idx()
     unit, _, _ = cute.arch.block_idx()
@@ -568,7 +569,7 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
                             total = acc_s[v0 + 2 * v1, mt, nt, 0]
                             for st in cutlass.range_constexpr(1, sets):
                                 total += acc_s[v0 + 2 * v1, mt, nt, st]
-                            s2 = cutlass.select_(token0 + v0 < limit[v1, mt], total * SCALE_LOG2, -Float32.inf)
+                            s2 = cutlass.select_(token0 + v0 < limit[v1, mt], total * scale_log2, -Float32.inf)
                             score[v0 + 2 * v1, mt, nt] = s2
                             best = cute.arch.fmax(best, s2)
                     best = _quad_max(best)
@@ -660,9 +661,9 @@ def _mla_decode_host(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cu
                      lens_ptr: cute.Pointer, starts_ptr: cute.Pointer, out_ptr: cute.Pointer,
                      ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, info_ptr: cute.Pointer,
                      rows: Int32, requests: Int32, num_blocks: Int32, max_blocks: Int32, slots: Int32,
-                     target: Int32, min_chunks: Int32, stream: cuda.CUstream, plan: Constexpr):
+                     target: Int32, min_chunks: Int32, scale_log2: Float32, stream: cuda.CUstream, plan: Constexpr):
     _mla_decode_kernel(q_ptr, cache_ptr, table_ptr, lens_ptr, starts_ptr, out_ptr, ws_o_ptr, ws_ml_ptr, info_ptr,
-                       rows, requests, num_blocks, max_blocks, slots, target, min_chunks, plan).launch(
+                       rows, requests, num_blocks, max_blocks, slots, target, min_chunks, scale_log2, plan).launch(
         grid=(slots, 1, 1), block=(plan.threads, 1, 1), stream=stream,
         # a plan whose CTAs fit an SM's shared memory twice asks for all of it: left to itself the
         # driver may pick a smaller carveout that holds only one of them
@@ -675,7 +676,7 @@ def compile_mla_decode(plan: DecodePlan, arch: str, ptx_dir: str | None = None) 
     the PTX and cubin are kept (written there, and in the result's `artifacts.PTX` / `.CUBIN`)."""
     bf, i32, f32 = gmem_ptr(BFloat16, 16), gmem_ptr(Int32, 16, 4), gmem_ptr(Float32, 16)
     return cute.compile(_mla_decode_host, bf, bf, i32, i32, i32, bf, f32, f32, i32,
-                        Int32(1), Int32(1), Int32(2), Int32(1), Int32(1), Int32(1), Int32(1),
+                        Int32(1), Int32(1), Int32(2), Int32(1), Int32(1), Int32(1), Int32(1), Float32(1.0),
                         cute.runtime.make_fake_stream(), plan,
                         options=f"--gpu-arch {arch}" + (f" --keep-ptx --keep-cubin --dump-dir {ptx_dir}" if ptx_dir else ""))
 
@@ -760,9 +761,10 @@ _COMPILED: dict[tuple[tuple[int, ...], str], Any] = {}
 
 def launch(q_lat: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
            query_start: torch.Tensor, max_q: int, out: torch.Tensor | None = None, *,
-           stream: torch.cuda.Stream | None = None, plan: DecodePlan | None = None, target: int | None = None,
-           min_chunks: int | None = None) -> torch.Tensor:
-    """ol [rows, heads, 512] bf16 (module docstring) into `out` (allocated when None) on `stream`.
+           tau: float = K3_TAU, stream: torch.cuda.Stream | None = None, plan: DecodePlan | None = None,
+           target: int | None = None, min_chunks: int | None = None) -> torch.Tensor:
+    """ol [rows, heads, 512] bf16 (module docstring) into `out` (allocated when None) on `stream`,
+    with softmax scale `tau` (the model's 1/sqrt(d_nope + d_rope); K3's by default).
 
     Runs the split kernel and, on the same stream, the combine (`mla_combine.launch`). The first
     call of a variant compiles (seconds); later calls only launch. `plan` (`choose_plan` when
@@ -770,6 +772,8 @@ def launch(q_lat: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
     for; default `plan.waves` · SMs) and `min_chunks` (default `plan.min_chunks`) override the
     defaults.
     """
+    _need(isinstance(tau, (int, float)) and math.isfinite(tau) and tau > 0,
+          f"tau={tau!r} (the softmax scale) must be a positive finite number")
     check_envelope(q_lat, cache, block_table, seq_lens, query_start, max_q, out)
     rows, heads, _ = q_lat.shape
     requests, max_blocks = block_table.shape
@@ -801,6 +805,6 @@ def launch(q_lat: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
        gmem_ptr(Int32, block_table.data_ptr(), 4), gmem_ptr(Int32, seq_lens.data_ptr(), 4),
        gmem_ptr(Int32, query_start.data_ptr(), 4), gmem_ptr(BFloat16, out.data_ptr()),
        gmem_ptr(Float32, ws_o.data_ptr()), gmem_ptr(Float32, ws_ml.data_ptr()), gmem_ptr(Int32, info.data_ptr(), 4),
-       rows, requests, num_blocks, max_blocks, slots, target, min_chunks, cu_stream)
+       rows, requests, num_blocks, max_blocks, slots, target, min_chunks, tau * math.log2(math.e), cu_stream)
     mla_combine.launch(ws_o, ws_ml, info, out, slots, plan.tile_rows, dev.arch, cu_stream)
     return out

@@ -197,10 +197,17 @@ _COMPILED: dict[tuple, Any] = {}
 
 
 def launch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, *, renormalize: bool = True,
-           routed_scaling_factor: float = 1.0, weights_out: torch.Tensor | None = None,
-           ids_out: torch.Tensor | None = None,
+           routed_scaling_factor: float = 1.0, scoring: str = "sigmoid", expert_groups: int = 1,
+           weights_out: torch.Tensor | None = None, ids_out: torch.Tensor | None = None,
            stream: torch.cuda.Stream | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights fp32 [M, k], ids int32 [M, k]) of the router (module docstring), on `stream`."""
+    """(weights fp32 [M, k], ids int32 [M, k]) of the router (module docstring), on `stream`.
+    `scoring` and `expert_groups` are the model's (its moe_router_activation_func and
+    num_expert_group): the kernel refuses any but K3's sigmoid over one group rather than route
+    such a model wrongly."""
+    if scoring != "sigmoid" or expert_groups != 1:
+        raise MoERouterEnvelopeError(
+            f"moe_router: scoring={scoring!r} with {expert_groups} expert group(s): the kernel implements "
+            "sigmoid scores over a single group (K3's); such a model routes on the standard path")
     check_envelope(logits, bias, top_k)
     m, n_experts = logits.shape
     for name, t, dtype in (("weights_out", weights_out, torch.float32), ("ids_out", ids_out, torch.int32)):

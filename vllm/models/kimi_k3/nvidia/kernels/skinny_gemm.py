@@ -420,6 +420,9 @@ def check_envelope(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor | None, o
     need(kind in EPILOGUES, f"epilogue must be one of {EPILOGUES}, got {kind!r}")
     need(kind == "none" or (kind == "scale") == (operand is None),
          f"the {kind!r} epilogue takes {'a float, not a tensor' if kind == 'scale' else 'a tensor'}")
+    need(kind != "scale" or out_dtype == torch.float32,
+         f"the 'scale' epilogue writes FP32 (the logit scale), got out_dtype={out_dtype}: a bf16 output would "
+         "round twice")
     if operand is not None:
         need(isinstance(operand, torch.Tensor) and tuple(operand.shape) == y_shape
              and operand.dtype == torch.bfloat16 and operand.stride(-1) == 1,

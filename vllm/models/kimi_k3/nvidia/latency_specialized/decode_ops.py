@@ -282,13 +282,15 @@ class KernelOps(DecodeOps):
         self._rec("mla_decode")
         self._rec("mla_combine")
         return self.k_mla.launch(q_lat.contiguous(), cache, meta.block_table, meta.seq_lens, meta.query_start,
-                                 meta.q)
+                                 meta.q, tau=tau)
 
     def route(self, logits: torch.Tensor, bias: torch.Tensor, cfg: K3TextConfig
               ) -> tuple[torch.Tensor, torch.Tensor]:
         self._rec("moe_router")
         weights, ids = self.k_router.launch(logits, bias, cfg.num_experts_per_token, renormalize=cfg.moe_renormalize,
-                                            routed_scaling_factor=cfg.routed_scaling_factor)
+                                            routed_scaling_factor=cfg.routed_scaling_factor,
+                                            scoring=cfg.moe_router_activation_func,
+                                            expert_groups=ref_moe.selection_groups(cfg))
         self.routed.append(ids)
         return weights, ids
 

@@ -148,6 +148,24 @@ class BuildReport:
                 f"graph memory {self.graph_bytes / 2**20:.1f} MiB")
 
 
+def _check_step(ids: torch.Tensor, segments: list[Segment], rows: int, state: DecodeState) -> None:
+    """Refuse a step the state cannot have produced: a wrong input would otherwise run, on
+    whatever the buffers held (missing ids decode token 0; a request twice races its own state;
+    a segment taken before the last commit rewrites cached rows)."""
+    if ids.numel() != rows:
+        raise ExecutorError(f"{ids.numel()} token ids for a step of {rows} rows: give one id per row")
+    seen: set[int] = set()
+    for s in segments:
+        if s.request in seen:
+            raise ExecutorError(f"request {s.request} appears twice in one step; give each request one segment")
+        seen.add(s.request)
+        if s.pos0 != state.seq_lens[s.request] or s.accepted != state.accepted[s.request]:
+            raise ExecutorError(f"request {s.request}'s segment starts at position {s.pos0} after {s.accepted} "
+                                f"accepted token(s), but the state holds {state.seq_lens[s.request]} after "
+                                f"{state.accepted[s.request]}: take segments from state.segment() after the last "
+                                "step's commit")
+
+
 class SpecializedDecode:
     """Serves admitted decode steps of one rank from prepared kernels (module docstring)."""
 
@@ -258,6 +276,7 @@ class SpecializedDecode:
             raise ExecutorError("this executor starts from embeddings: fill its StepMeta (vllm_step) and replay")
         q = segments[0].n if segments else 0
         rows = sum(s.n for s in segments)
+        _check_step(ids, segments, rows, state)
         key = self.plan(StepFacts(rows=rows, tokens_per_request=q if all(s.n == q for s in segments) else None,
                                   max_context=max((s.pos0 + s.n for s in segments), default=0),
                                   pure_decode=not any(s.prefill for s in segments)))
@@ -282,6 +301,7 @@ class SpecializedDecode:
         if self.graphs:
             self.graph[key].replay()
             return self.out[key]
+        self.ops.reset()  # the op trace is the last step's, not every replay's
         return self._forward(self.meta[key])
 
     def launches(self, key: tuple[int, int]) -> list[str]:

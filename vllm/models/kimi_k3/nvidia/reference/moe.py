@@ -35,10 +35,16 @@ from .params import MoEWeights
 RENORM_EPS = 1e-20
 
 
+def selection_groups(cfg: K3TextConfig) -> int:
+    """The expert groups the selection really uses: 1 where grouping is off or keeps every group."""
+    grouped = cfg.use_grouped_topk and cfg.num_expert_group > 1 and cfg.topk_group < cfg.num_expert_group
+    return cfg.num_expert_group if grouped else 1
+
+
 def _keep_best_groups(keys: torch.Tensor, cfg: K3TextConfig) -> torch.Tensor:
     """keys [N, E] (no NaN) with experts outside the `topk_group` best groups set to −∞."""
-    groups = cfg.num_expert_group
-    if not cfg.use_grouped_topk or groups == 1:
+    groups = selection_groups(cfg)
+    if groups == 1:
         return keys
     n_rows, n_exp = keys.shape
     grouped = keys.view(n_rows, groups, n_exp // groups)

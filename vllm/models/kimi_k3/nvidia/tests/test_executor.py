@@ -227,6 +227,25 @@ def test_plan_declines_what_no_bucket_serves(model):
                           log=lambda _: None)
 
 
+def test_a_step_the_state_cannot_have_produced_is_refused(model):
+    """Too few ids (the missing rows would decode token 0), a request twice (its two rows would race
+    one state), a segment taken before the last commit (it would rewrite a cached row): each is
+    refused by name, and the state is left as it was."""
+    ex = _executor(model)
+    slots = prefill(model, ex.state, [[1, 2, 3], [4, 5]])
+    segs = [ex.state.segment(r, j, 1, prefill=False) for j, r in enumerate(slots)]
+    before = list(ex.state.seq_lens)
+    with pytest.raises(ExecutorError, match="1 token ids for a step of 2 rows"):
+        ex(torch.tensor([7]), segs, ex.state)
+    twice = [segs[0], ex.state.segment(slots[0], 1, 1, prefill=False)]
+    with pytest.raises(ExecutorError, match=f"request {slots[0]} appears twice"):
+        ex(torch.tensor([7, 8]), twice, ex.state)
+    assert ex.state.seq_lens == before
+    ex(torch.tensor([7, 8]), segs, ex.state)  # the step as the state holds it runs, and commits
+    with pytest.raises(ExecutorError, match="take segments from state.segment"):
+        ex(torch.tensor([7, 8]), segs, ex.state)
+
+
 def _no_cuda_streams(monkeypatch):
     def touched(*_a, **_k):
         raise AssertionError("lanes off must not touch CUDA streams or events")

@@ -1,6 +1,6 @@
 """`kernels/device.py` on the CPU, with torch.cuda's device queries stubbed: facts are read once
-per device (an index-less device is the current one), and scratch is built once per key and
-kept, separately per key."""
+per device (an index-less device is the current one), and scratch is built once per key,
+waited for, and kept, separately per key."""
 
 from types import SimpleNamespace
 
@@ -36,9 +36,12 @@ def test_facts_are_read_once_per_device(two_gpus):
     assert len(two_gpus) == 2
 
 
-def test_scratch_is_built_once_per_key_and_kept(two_gpus):
+def test_scratch_is_built_once_per_key_and_kept(two_gpus, monkeypatch):
     dev = kdevice.facts(torch.device("cuda", 0))
     built = []
+    synced = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda d: synced.append((len(built), d)))
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
 
     def make(n):
         def build(d):
@@ -51,4 +54,6 @@ def test_scratch_is_built_once_per_key_and_kept(two_gpus):
     b = dev.scratch(("other", 4), make(8))
     assert b is not a and b[0].numel() == 8
     assert built == [(4, torch.device("cuda", 0)), (8, torch.device("cuda", 0))]
+    # each build is waited for before it is handed out (its zeroing may be on another stream)
+    assert synced == [(1, torch.device("cuda", 0)), (2, torch.device("cuda", 0))]
     assert kdevice.facts(torch.device("cuda", 1)).scratch(("k", 4), make(2))[0].numel() == 2  # per device

@@ -5,6 +5,8 @@ then continues on the reference op, so every layer's shapes are checked."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from vllm.models.kimi_k3.nvidia.evals.tiny import config_named
 from vllm.models.kimi_k3.nvidia.latency_specialized.decode_ops import KernelOps, ReferenceOps
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
@@ -66,3 +68,18 @@ def test_a_model_outside_the_envelope_is_refused_by_name():
     assert any("576" in msg for msg in refused.get("mla_attend", ())), refused
     assert any("kv_c must be [" in msg for msg in refused.get("mla_cache_write", ())), refused
 
+
+
+def test_a_router_other_than_k3s_is_refused_not_run():
+    """The router kernel computes K3's sigmoid scores over one expert group: a model with softmax
+    scores or grouped routing (both valid configs, both in the reference) must not get them."""
+    tiny = config_named("tiny")
+    for change, said in ((dict(moe_router_activation_func="softmax"), "scoring='softmax'"),
+                         (dict(num_expert_group=2, topk_group=1), "2 expert group(s)")):
+        refused, _ = _refusals(dataclasses.replace(tiny, **change))
+        assert set(refused) == {"route"} and any(said in msg for msg in refused["route"]), (change, refused)
+    # groups that select nothing away (grouping off, or every group kept) route as one group
+    for change in (dict(num_expert_group=2, topk_group=2), dict(num_expert_group=2, topk_group=1,
+                                                               use_grouped_topk=False)):
+        refused, _ = _refusals(dataclasses.replace(tiny, **change))
+        assert not refused, (change, refused)

@@ -76,7 +76,8 @@ class Batch:
     the null block, the step's queries (q_nope, q_pe, W_UK and the kernel's q_lat) and metadata."""
 
     def __init__(self, lengths: list[int], q_lens: list[int], heads: int, block_size: int, dist: str,
-                 seed: int, device: str, adversarial: str | None = None, capacity: list[int] | None = None):
+                 seed: int, device: str, adversarial: str | None = None, capacity: list[int] | None = None,
+                 d_nope: int = D_N):
         gen = torch.Generator(device=device).manual_seed(seed)
         self.lengths, self.q_lens, self.heads, self.block_size = lengths, q_lens, heads, block_size
         self.max_q = max(q_lens)
@@ -92,9 +93,9 @@ class Batch:
         self.cache = (_draw(dist, (1 + sum(need), block_size, ROW), gen, device) * kv_scale).to(BF16)
         self.block_table = table.to(device)
         rows = sum(q_lens)
-        self.q_nope = (_draw(dist, (rows, heads, D_N), gen, device) * q_scale).to(BF16)
+        self.q_nope = (_draw(dist, (rows, heads, d_nope), gen, device) * q_scale).to(BF16)
         self.q_pe = (_draw(dist, (rows, heads, D_R), gen, device) * q_scale).to(BF16)
-        self.w_uk = (torch.randn(heads, D_N, R_KV, generator=gen, device=device) / math.sqrt(D_N)).to(BF16)
+        self.w_uk = (torch.randn(heads, d_nope, R_KV, generator=gen, device=device) / math.sqrt(d_nope)).to(BF16)
         if adversarial is not None:
             self._make_adversarial(adversarial, gen)
         acc = acc_dtype(self.q_nope)
@@ -167,6 +168,7 @@ def _ok_inputs():
     ("noncontig", "cache must be contiguous"),
     ("out", "out must be a [2, 6, 512] bfloat16 tensor"),
     ("cpu", "must be a CUDA tensor"),
+    ("tau", "tau=nan (the softmax scale) must be a positive finite number"),
 ])
 def test_envelope_errors(case, match):
     kw = _ok_inputs()
@@ -195,6 +197,8 @@ def test_envelope_errors(case, match):
         kw["cache"] = kw["cache"].transpose(0, 1)
     elif case == "out":
         out = torch.empty(2, 6, 128, dtype=BF16)
+    elif case == "tau":
+        kw["tau"] = math.nan
     with pytest.raises(mla_decode.MlaDecodeEnvelopeError, match=re.escape(match)):
         mla_decode.launch(**kw, out=out)
 
@@ -287,7 +291,7 @@ def _model(b: Batch, plan: DecodePlan, target: int, min_chunks: int) -> torch.Te
         for ci in range(u.chunk_begin, u.chunk_end):
             tok = torch.arange(ci * plan.chunk, (ci + 1) * plan.chunk)
             rows_kv = kv[tok.clamp(max=u.token_end - 1)]
-            s2 = (qt @ rows_kv.T) * mla_decode.SCALE_LOG2
+            s2 = (qt @ rows_kv.T) * (mla_decode.K3_TAU * math.log2(math.e))
             s2 = s2.masked_fill(tok[None, :] >= limit[:, None], -math.inf)
             new_max = torch.maximum(run_max, s2.max(dim=1).values)
             ref = torch.where(new_max == -math.inf, torch.zeros(()), new_max)
@@ -445,6 +449,18 @@ def test_mixed_lengths_match_reference(heads, q, evidence):
         b = Batch(lengths, [q] * len(lengths), heads, 64, dist, 100 * heads + 10 * q + i, "cuda")
         failures += _run_case(f"mixed h={heads} q={q} {dist}", b, evidence)
     assert not failures, "; ".join(failures)
+
+
+@pytest.mark.gpu
+def test_the_softmax_scale_is_the_models(evidence):
+    """τ = 1/sqrt(d_nope + d_rope) comes from the caller: a model with 64-wide q_nope (τ = 1/sqrt(128))
+    matches its oracle with its own τ, and K3's τ there would not (the test can tell them apart)."""
+    b = Batch([4097, 65, 1], [1, 8, 1], 12, 64, "normal", 128, "cuda", d_nope=64)
+    failures = _run_case("d_nope=64, tau=1/sqrt(128)", b, evidence, tau=1 / math.sqrt(128))
+    assert not failures, "; ".join(failures)
+    wrong = torch.empty(b.q_lat.shape[0], b.heads, R_KV, dtype=BF16, device="cuda")
+    mla_decode.launch(b.q_lat, b.cache, b.block_table, b.seq_lens, b.query_start, b.max_q, wrong)
+    assert rel_err(wrong[b.rows_of(0)], b.reference(0)) > 3 * REL_ERR_BOUND
 
 
 @pytest.mark.gpu

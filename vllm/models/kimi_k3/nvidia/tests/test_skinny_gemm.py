@@ -88,6 +88,7 @@ def test_reads_in_place_is_the_envelope_rule_for_x():
     ("heads", "x has 3 heads but w has 2"),
     ("two", "at most one epilogue"),
     ("addend", "the add operand must be a [4, 32] bfloat16"),
+    ("scale_bf16", "the 'scale' epilogue writes FP32"),
     ("cpu", "CUDA tensors"),
 ])
 def test_envelope_errors(case, match):
@@ -118,6 +119,8 @@ def test_envelope_errors(case, match):
         kw = {"scale": 2.0, "addend": torch.zeros(4, 32, dtype=torch.bfloat16)}
     elif case == "addend":
         kw = {"addend": torch.zeros(4, 16, dtype=torch.bfloat16)}
+    elif case == "scale_bf16":
+        kw = {"scale": 2.0}
     with pytest.raises(skinny_gemm.SkinnyGemmEnvelopeError, match=re.escape(match)):
         skinny_gemm.launch(x, w, out, **kw)
 
