@@ -3,9 +3,9 @@
 `pick_tiling` picks the kernel and `choose_tiling` the warp kernel's tiling by class of shape;
 its M <= 16 rules come from this sweep's run of 2026-12-04 (kernels/README.md), its M > 16 rules
 from sweeps of 2026-12-03 (beyond 16 rows sm_90a takes the wgmma kernel, whose tiling
-`choose_wgmma_tiling` follows this sweep's run of 2026-12-05 on three shapes). This times the
-launchable tilings of each K3 per-rank shape beside the pick, so that the heuristic can follow
-measurements:
+`choose_wgmma_tiling` ranks by a cost model fitted to this sweep's 22 cases of 2026-12-05). This
+times the launchable tilings of each K3 per-rank shape beside the pick, so that the heuristic can
+follow measurements:
 
     python -m vllm.models.kimi_k3.nvidia.benchmarks.sweep_skinny_tiling --out $OUT/skinny_tiling_sweep.json
 

@@ -20,12 +20,13 @@ and accumulate in 32-64 registers.
   that group in flight and releases the stage of the group before.
 - PDL as in `skinny_gemm`: the first stages' W tiles are requested before
   griddepcontrol.wait, x's after it (the same barriers count both).
-- K splits across CTAs (`WgmmaTiling.splits`) until the grid fills the resident CTAs; the splits
-  meet in `gemm_store.sum_splits`.
+- K splits across CTAs (`WgmmaTiling.splits`) where a cost model fitted to the H200's sweep says
+  it pays (`choose_wgmma_tiling`); the splits meet in `gemm_store.sum_splits`.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 
@@ -78,23 +79,53 @@ def stages_for(block_w: int, m_atoms: int) -> int:
     return max(2, min(8, _SMEM_PER_CTA // stage_bytes(block_w, m_atoms)))
 
 
-def choose_wgmma_tiling(n: int, k: int, m_atoms: int, sm_count: int) -> WgmmaTiling:
-    """64 W rows a CTA while N has no more such tiles than there are SMs, else 128 (each x tile
-    then feeds twice the W rows); K split until the grid fills one CTA an SM, keeping at least two
-    K tiles per split and the fp32 partials (written, then read back) under a quarter of W's
-    bytes, then renumbered so that no split is empty; as many stages as let two CTAs share an SM
-    and a split has K tiles. One CTA an SM, not two: in `sweep_skinny_tiling` on the H200
-    (2026-12-05, M = 32 and 64) this was the fastest of all candidates on dense_down@tp16,
-    kda_o_proj@tp8 and shared_gate_up@tp8, 1.22-1.45x the former pick of 128-row tiles or two
-    CTAs an SM, whose extra splits only added partials and pipeline fills; other shapes are not
-    swept yet."""
-    block_w = 64 if -(-n // 64) <= sm_count else 128
+# The cost model `choose_wgmma_tiling` ranks tilings by, fitted to the 22 M = 32/64 cases that
+# sweep_skinny_tiling timed on the H200 on 2026-12-05 (kernels/MEASURED.md): an SM streams at most
+# SM_SHARE times its even share of the copy bandwidth; a CTA of more than 32 token rows, alone on
+# its SM, only its even share (its MMAs take longer); each round of two resident CTAs, and a
+# split-K sum, costs ROUND_US of fill and drain. On those cases its pick took on average 1.007x
+# the fastest candidate's time (the worst 1.05x, the fastest on 16), against 1.054x (worst 1.24x)
+# for the one-CTA-an-SM rule before it; other values (SM_SHARE 1.2-1.4, ROUND_US 1-3) gave 1.006-1.011x
+# wherever all their picks had been timed. Shapes the sweep did not reach (most of TP8 and TP16)
+# are the model's extrapolation until a sweep times them.
+COPY_BYTES_PER_US = 4.2e6  # the H200's measured copy bandwidth
+SM_SHARE = 1.3
+ROUND_US = 2.0
+
+
+def predicted_us(t: WgmmaTiling, n: int, k: int, m_atoms: int, sm_count: int) -> float:
+    """The cost model's time for one tiling (µs on the H200; only its ranking is used)."""
     k_tiles = -(-k // TILE_K)
-    tiles_n = -(-n // block_w)
-    wanted = max(1, min(sm_count // tiles_n, k_tiles // 2, k // (16 * token_rows(m_atoms))))
-    per_split = -(-k_tiles // wanted)
-    # no more buffers than a split has tiles: spare ones would only hold shared memory
-    return WgmmaTiling(block_w, max(2, min(stages_for(block_w, m_atoms), per_split)), -(-k_tiles // per_split))
+    cta_bytes = t.block_w * -(-k_tiles // t.splits) * TILE_K * 2
+    ctas = t.tiles_n(n) * t.splits
+    per_sm = -(-ctas // sm_count)  # the busiest SM's CTAs, two at a time
+    share = COPY_BYTES_PER_US / sm_count
+    cta_rate = share if token_rows(m_atoms) > 32 else SM_SHARE * share
+    sm_rate = min(SM_SHARE * share, min(per_sm, 2) * cta_rate)
+    stream = max(per_sm * cta_bytes / sm_rate, ctas * cta_bytes / COPY_BYTES_PER_US)
+    partials = 2 * 4 * token_rows(m_atoms) * n * t.splits / COPY_BYTES_PER_US if t.splits > 1 else 0.0
+    return stream + -(-per_sm // 2) * ROUND_US + (partials + ROUND_US if t.splits > 1 else 0.0)
+
+
+@functools.cache  # `skinny_gemm.launch` asks on every call; the search is a pure function of ints
+def choose_wgmma_tiling(n: int, k: int, m_atoms: int, sm_count: int) -> WgmmaTiling:
+    """The 64- or 128-row tiling and K split that `predicted_us` ranks fastest. Splits keep at
+    least two K tiles each and the fp32 partials (written, then read back) under a quarter of W's
+    bytes, and are renumbered so that none is empty; each tiling has as many stages as let two
+    CTAs share an SM and a split has K tiles. Where N alone leaves SMs idle or a short last round
+    (lm_head@tp8: 160 CTAs of 128 rows, a second round of 28), the model splits K or halves the
+    CTAs; where N fills the SMs evenly, it keeps one split."""
+    k_tiles = -(-k // TILE_K)
+    most = max(1, min(k_tiles // 2, k // (16 * token_rows(m_atoms))))
+    best: tuple[float, WgmmaTiling] | None = None
+    for block_w in (64, 128):
+        for wanted in range(1, min(most, 4 * sm_count) + 1):
+            per_split = -(-k_tiles // wanted)
+            t = WgmmaTiling(block_w, max(2, min(stages_for(block_w, m_atoms), per_split)), -(-k_tiles // per_split))
+            cost = predicted_us(t, n, k, m_atoms, sm_count)
+            if best is None or cost < best[0]:
+                best = (cost, t)
+    return best[1]
 
 
 @cute.kernel

@@ -28,7 +28,7 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip 
 
 from vllm.models.kimi_k3.nvidia.kernels import skinny_gemm  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.skinny_gemm import Tiling, WgmmaTiling  # noqa: E402
-from vllm.models.kimi_k3.nvidia.kernels.skinny_gemm_wgmma import TILE_K, stage_bytes, token_rows  # noqa: E402
+from vllm.models.kimi_k3.nvidia.kernels.skinny_gemm_wgmma import TILE_K, choose_wgmma_tiling, stage_bytes, token_rows  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.cubin_resources import kernel_resources  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.shapes import k3_gemm_shapes  # noqa: E402
 from vllm.models.kimi_k3.nvidia.latency_specialized.evidence import write_record  # noqa: E402
@@ -245,6 +245,22 @@ def test_wgmma_tilings_fit_two_ctas_an_sm_and_give_every_split_work():
             per_split = -(-k_tiles // t.splits)
             assert per_split * (t.splits - 1) < k_tiles, (s.name, m_atoms, t)  # the last split has a tile
             assert 2 * (t.stages * stage_bytes(t.block_w, m_atoms) + 1024) <= 228 * 1024, (s.name, m_atoms, t)
+
+
+def test_wgmma_cost_model_splits_only_where_n_leaves_sms_idle():
+    """`choose_wgmma_tiling`'s model keeps one split where N alone gives every SM the same CTAs
+    (a split only adds partials and a sum), splits a long K over few N tiles, and never splits
+    below two K tiles or past partials of a quarter of W's bytes."""
+    even = choose_wgmma_tiling(132 * 64, 7168, 4, 132)
+    assert even.splits == 1, even
+    few = choose_wgmma_tiling(8 * 64, 32768, 8, 132)
+    assert few.splits > 4, few
+    for s in SHAPES:
+        for m_atoms in (4, 8):
+            t = choose_wgmma_tiling(s.n, s.k, m_atoms, 132)
+            k_tiles = -(-s.k // TILE_K)
+            assert t.splits == 1 or -(-k_tiles // t.splits) >= 2, (s.name, m_atoms, t)
+            assert t.splits * 2 * 4 * token_rows(m_atoms) * s.n <= s.n * s.k * 2 / 4 or t.splits == 1, (s.name, t)
 
 
 def test_wgmma_kernel_is_hopper_only():
