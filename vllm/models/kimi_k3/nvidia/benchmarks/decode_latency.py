@@ -18,7 +18,8 @@ In one process, per (TP, rows, tokens per request q, context):
 | specialized | `SpecializedDecode` with `KernelOps`: the CUDA-graph replay of the bucket's CuTe DSL kernels, independent ops of a layer on side lanes (`lanes.py`) |
 | specialized, one stream (`--one-stream`) | the same kernels in graphs without lanes (`overlap=False`), to measure what the lanes gain |
 | standard eager | `ReferenceModel.forward` + LM head on CUDA (cuBLAS GEMMs, torch ops, per-request loops) |
-| standard graphed | `SpecializedDecode` with `TorchOps`: plain PyTorch on cuBLAS, captured in the same kind of CUDA graph, lanes included (the strongest standard baseline built here) |
+| standard graphed | `SpecializedDecode` with `TorchOps`: plain PyTorch on cuBLAS, captured in the same kind of CUDA graph, lanes included |
+| standard compiled (`--compile`) | the same step under torch.compile (inductor), then captured in the same kind of CUDA graph, on one stream (`compiled_standard.py`): standard compiled with CUDA graphs; a compile per bucket, minutes per record |
 
 Times are medians of CUDA-event-timed steps after warm-up (the eager standard step's: of the
 parity run's own eager steps, each between two device syncs, the first left out); the floor is the bytes the step must
@@ -49,12 +50,13 @@ from ..reference.model import ReferenceModel
 from ..reference.params import KDAWeights, MoEWeights
 from .bench_moe import median_us
 from .bench_skinny_gemm import copy_bandwidth_TBps, require_cuda
+from .compiled_standard import CompiledStandard, compile_stats
 from .block_parity import (BLOCK_LAYERS, FULL_LAYERS, PARITY_MIN_TOKENS, PARITY_SOURCES, fill_state, k3_block,
                            parity_lockstep, parity_status, parity_steps_at, segments)
 
 # everything a step's figures depend on: what block parity depends on, and the timing
 SOURCES = (*PARITY_SOURCES, *(f"vllm/models/kimi_k3/nvidia/benchmarks/{f}.py" for f in (
-    "decode_latency", "bench_moe", "bench_skinny_gemm")))
+    "decode_latency", "bench_moe", "bench_skinny_gemm", "compiled_standard")))
 # parity steps beyond the first that time the eager standard step in place of a timing run of its own
 EAGER_TIMED_STEPS_MIN = 5
 CACHE_BUDGET = 40e9  # bytes of MLA cache the states of one context may hold together
@@ -146,6 +148,7 @@ def run_point(model, executors: dict, std_state, tp: int, rows: int, q: int, con
            "floor_us": floor_ms * 1e3, "floor_bytes": fb, "x_floor": t_spec / floor_ms,
            "speedup_vs_eager": times["standard_eager"] / t_spec,
            "speedup_vs_graphed": times["standard_graphed"] / t_spec if "standard_graphed" in times else None,
+           "speedup_vs_compiled": times["standard_compiled"] / t_spec if "standard_compiled" in times else None,
            "tokens_per_s_per_request": q / (t_spec * 1e-3 * FULL_LAYERS / BLOCK_LAYERS),
            "tokens_per_s_per_gpu": rows / (t_spec * 1e-3 * FULL_LAYERS / BLOCK_LAYERS),
            "step_93_layers_est_us": t_spec * 1e3 * FULL_LAYERS / BLOCK_LAYERS, "parity": par}
@@ -210,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--one-stream", action="store_true",
                     help="also time the specialized graphs without side lanes (overlap=False; baseline "
                          "'specialized_one_stream'), to measure what the lanes gain")
+    ap.add_argument("--compile", action="store_true",
+                    help="also time the graphed standard step under torch.compile (baseline 'standard_compiled'; "
+                         "a compile per bucket: minutes per record)")
     ap.add_argument("--quick", action="store_true", help="TP16 rows 1, 2, 8 (q 1) and one q 8 request, ctx 4K")
     args = ap.parse_args(argv)
     require_cuda(ap)
@@ -229,8 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         n_mla = len(model.cfg.full_attn_layers)
         for ctx in args.contexts:
             # four states (specialized, graphed standard, yardstick, eager standard) hold the MLA cache
-            # each, five with the one-stream executor
-            states = 5 if args.one_stream else 4
+            # each, one more for each extra executor (one stream, compiled standard)
+            states = 4 + args.one_stream + args.compile
             keys = sorted({(r, q) for r in args.rows for q in args.q if r % q == 0
                            and states * (r // q) * (ctx + 8) * 576 * 2 * n_mla <= CACHE_BUDGET})
             skipped = sorted({(r, q) for r in args.rows for q in args.q if r % q == 0} - set(keys))
@@ -276,6 +282,13 @@ def run_context(model: ReferenceModel, tp: int, keys: list[tuple[int, int]], ctx
         except Exception as e:  # noqa: BLE001
             notes.append(f"graphed standard baseline unavailable: {type(e).__name__}: {e}")
             print(f"[decode_latency] {notes[-1]}", file=sys.stderr)
+    if args.compile:
+        try:  # as the graphed baseline: a compile that fails is said, not fatal
+            executors["standard_compiled"] = CompiledStandard(model, max_requests=max_req, max_len=max_len,
+                                                              buckets=keys)
+        except Exception as e:  # noqa: BLE001
+            notes.append(f"compiled standard baseline unavailable: {type(e).__name__}: {e}")
+            print(f"[decode_latency] {notes[-1]}", file=sys.stderr)
     # the parity yardstick runs eagerly (its noise is drawn per call) and is not timed
     untimed = {"standard_rounding_noise": SpecializedDecode(model, max_requests=max_req, max_len=max_len,
                                                             buckets=keys, ops=RoundingNoiseOps(), graphs=False)}
@@ -287,15 +300,18 @@ def run_context(model: ReferenceModel, tp: int, keys: list[tuple[int, int]], ctx
             results.append(r)
             g = r["baseline_us"].get("standard_graphed")
             one = r["baseline_us"].get("specialized_one_stream")
+            c = r["baseline_us"].get("standard_compiled")
             print(f"TP{tp:<3} rows {rows:>3} q {q} ctx {ctx:>6}: spec {r['time_us']:9.1f} us  "
                   f"{'' if one is None else f'one stream {one:9.1f}  '}eager "
                   f"{r['baseline_us']['standard_eager']:9.1f}  graphed {g if g is None else round(g, 1)}  "
+                  f"{'' if c is None else f'compiled {c:9.1f}  '}"
                   f"floor {r['floor_us']:8.1f} ({r['x_floor']:.2f}x)  parity "
                   f"{r['parity']['specialized']['rel_err_median']:.1e} {r['status']}", file=sys.stderr, flush=True)
     results.append({"name": f"tp{tp} ctx{ctx} build", "status": "pass", "notes": notes,
                     "build": {k: {"seconds": round(e.report.seconds, 1),
                                   "graph_MiB": round(e.report.graph_bytes / 2**20, 1)} for k, e in executors.items()},
-                    "launches_per_step": {f"{r},{q}": spec.launches((r, q)) for r, q in keys[:1]}})
+                    "launches_per_step": {f"{r},{q}": spec.launches((r, q)) for r, q in keys[:1]},
+                    **({"compile": compile_stats()} if "standard_compiled" in executors else {})})
     del executors, untimed, std_state
     torch.cuda.empty_cache()
     return results
@@ -309,17 +325,19 @@ def _yardstick(r: dict) -> str:
 def markdown(results: list[dict], targets: list[dict], copy_bw: float) -> str:
     lines = ["Per-rank compute on one H200, collectives not timed; one 12-layer AttnRes block of K3 "
              f"(93-layer = x93/12); copy bandwidth {copy_bw:.2f} TB/s.", "",
-             "| TP | rows | q | ctx | specialized µs | graphed std µs | eager std µs | floor µs | x floor | "
-             "vs graphed | vs eager | parity rel err (median) | yardstick's | parity |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| TP | rows | q | ctx | specialized µs | graphed std µs | compiled std µs | eager std µs | floor µs | "
+             "x floor | vs graphed | vs compiled | vs eager | parity rel err (median) | yardstick's | parity |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in results:
         if "time_us" not in r:
             continue
-        g = r["baseline_us"].get("standard_graphed")
+        g, c = r["baseline_us"].get("standard_graphed"), r["baseline_us"].get("standard_compiled")
         vs_g = f"{r['speedup_vs_graphed']:.2f}x" if r["speedup_vs_graphed"] else "—"
+        vs_c = f"{r['speedup_vs_compiled']:.2f}x" if r.get("speedup_vs_compiled") else "—"
         lines.append(f"| {r['tp']} | {r['rows']} | {r['q']} | {r['context']} | {r['time_us']:.1f} | "
-                     f"{'—' if g is None else f'{g:.1f}'} | {r['baseline_us']['standard_eager']:.1f} | "
-                     f"{r['floor_us']:.1f} | {r['x_floor']:.2f} | {vs_g} | {r['speedup_vs_eager']:.2f}x | "
+                     f"{'—' if g is None else f'{g:.1f}'} | {'—' if c is None else f'{c:.1f}'} | "
+                     f"{r['baseline_us']['standard_eager']:.1f} | "
+                     f"{r['floor_us']:.1f} | {r['x_floor']:.2f} | {vs_g} | {vs_c} | {r['speedup_vs_eager']:.2f}x | "
                      f"{r['parity']['specialized']['rel_err_median']:.1e} | {_yardstick(r)} | {r['status']} |")
     lines += ["", "| target | wanted | measured | met |", "| --- | --- | --- | --- |"]
     lines += [f"| {t['name']} | {t['target']} | {t['value']} | {'yes' if t['met'] else 'no'} |" for t in targets]
