@@ -194,7 +194,8 @@ def _short_conv(z_v: cute.Tensor, conv_v: cute.Tensor, w_v: cute.Tensor, ch4: In
     """y[e, t] = bf16(SiLU(conv)) of channels 4·ch4 + e (e < 4) for the q tokens, as fp32.
 
     The window slides over seq = [C[a-1], C[a], C[a+1], x_0 … x_{q-1}] (4-channel vectors);
-    taps are added in order 0..3 in fp32 like the reference."""
+    taps are summed in order 0..3 in fp32 as multiply-adds (the reference rounds each product
+    first: a rare 1-ulp difference in y)."""
     seq = cute.make_rmem_tensor(cute.make_layout((4, q + CONV_WIDTH - 1)), BFloat16)
     for p in cutlass.range_constexpr(CONV_WIDTH - 1):
         cute.autovec_copy(conv_v[(0, 0, None), (cslot, a - 1 + p, ch4)], seq[None, p])

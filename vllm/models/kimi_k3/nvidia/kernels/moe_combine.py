@@ -7,6 +7,8 @@ Math (`reference/moe.py::_routed_latent`, its last loop): for row r,
 
     y[r] = bf16( Σ_j w[r, j] · fp32(o[r·k + j]) )    fp32, j = 0..k-1 in selection order
 
+each term one fused multiply-add (the reference rounds w·o before adding it: fp32-ulp apart).
+
 skipping picks whose expert id is outside [0, n_experts) (padding: their o rows are never
 written, so they are not read, whatever their weight). An expert repeated within a row has its
 output only in the row of its first pick (moe_experts computes it once), which every repeat reads.

@@ -1,8 +1,9 @@
 """Weighted RMSNorm for decode rows: y = bf16(x / RMS_ε(x) ⊙ γ), RMS_ε(x) = sqrt(mean(x²) + ε).
 
 Math: `reference/ops.py::rms_norm` (FP32 throughout, one rounding at the store; K3_MATH.md §3.3
-and §8 item 9). Used for MLA's q_a / kv_a latent norms (D = 1536 / 512), the latent MoE
-`routed_expert_norm` (3584) and the final norm (7168); the tiny eval model's 32 and 64 wide norms.
+and §8 item 9). Used for MLA's q_a norm (D = 1536) and the latent MoE `routed_expert_norm`
+(3584), and for the tiny eval model's; the kv_a norm runs inside `mla_cache_write` and the final
+norm inside `attn_res`, on this file's `row_rrms` / `block_sums`.
 
 Envelope: x `[M, D]` BF16 with 1 <= M <= 64 and D % 8 = 0, 8 <= D <= MAX_WIDTH; γ `[D]` BF16 contiguous; out
 `[M, D]` BF16. The rows of x and out may be strided (a column slice of a wider GEMM output, as
