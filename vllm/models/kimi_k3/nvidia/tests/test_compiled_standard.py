@@ -1,20 +1,26 @@
-"""benchmarks/compiled_standard.py on the CPU, the tiny model, one bucket: dynamo's trace of the
-standard step is the eager step exactly (aot_eager), inductor's kernels stay as close to it as
-one bf16 rounding of noise on every GEMM output does (the parity records' rule), and the process
-is set to fail rather than fall back to eager past the recompile limit."""
+"""benchmarks/compiled_standard.py on the CPU, the trained tiny model, one bucket: dynamo's trace
+of the standard step is the eager step exactly (aot_eager), inductor's kernels stay as close to
+it as one bf16 rounding of noise on every GEMM output does (the parity records' rule, against the
+median of seeded noise draws), and the process is set to fail rather than fall back to eager past
+the recompile limit.
+
+Trained weights, not random ones: random routing flips an expert on a one-ulp change, so one
+noise draw lands at 0.07 or 0.57 by chance and the compiled step at 0.53, and the rule's verdict
+was a coin toss (2 failures in 6 runs). Trained routing has margins: every draw stays at 0.01-0.03."""
 
 import pytest
 import torch
 
 from vllm.models.kimi_k3.nvidia.benchmarks.block_parity import PARITY_VS_BASELINE, fill_state, segments
 from vllm.models.kimi_k3.nvidia.benchmarks.compiled_standard import CompiledStandard, compile_stats
-from vllm.models.kimi_k3.nvidia.evals.tiny import config_named
+from vllm.models.kimi_k3.nvidia.evals.tiny import config_named, shipped_weights
 from vllm.models.kimi_k3.nvidia.latency_specialized.executor import SpecializedDecode
 from vllm.models.kimi_k3.nvidia.latency_specialized.torch_ops import RoundingNoiseOps, TorchOps
-from vllm.models.kimi_k3.nvidia.latency_specialized.weights import RandomSource, load_rank
+from vllm.models.kimi_k3.nvidia.latency_specialized.weights import SafetensorsSource, load_rank
 from vllm.models.kimi_k3.nvidia.reference.model import ReferenceModel
 
 KW = dict(max_requests=2, max_len=64, buckets=[(2, 1)], graphs=False, log=lambda _: None)
+NOISE_SEEDS = range(5)
 
 
 def _step(ex: SpecializedDecode, ids: torch.Tensor) -> torch.Tensor:
@@ -30,13 +36,17 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU form; on a GPU it is decode_latency --compile")
 def test_the_compiled_standard_step_computes_the_eager_one():
     cfg = config_named("tiny")
-    model = ReferenceModel(cfg, load_rank(RandomSource(cfg, seed=0), cfg, tp=1, rank=0))
+    model = ReferenceModel(cfg, load_rank(SafetensorsSource(shipped_weights("tiny")), cfg))
     ids = torch.randint(0, cfg.vocab_size, (2,), generator=torch.Generator().manual_seed(1))
     want = _step(SpecializedDecode(model, ops=TorchOps(), overlap=False, **KW), ids)
     assert _rel(_step(CompiledStandard(model, backend="aot_eager", **KW), ids), want) == 0.0
-    noise = _rel(_step(SpecializedDecode(model, ops=RoundingNoiseOps(), overlap=False, **KW), ids), want)
+    draws = []
+    for seed in NOISE_SEEDS:
+        torch.manual_seed(seed)
+        draws.append(_rel(_step(SpecializedDecode(model, ops=RoundingNoiseOps(), overlap=False, **KW), ids), want))
+    noise = sorted(draws)[len(draws) // 2]
     compiled = CompiledStandard(model, **KW)
     assert torch._dynamo.config.fail_on_recompile_limit_hit
     got = _rel(_step(compiled, ids), want)
-    assert got <= PARITY_VS_BASELINE * noise + 0.02, (got, noise)
+    assert got <= PARITY_VS_BASELINE * noise + 0.02, (got, draws)
     assert compile_stats()["unique_graphs"] >= 2
