@@ -255,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
                  extra={"scope": "per-rank compute on one GPU, collectives not timed (SingleRank identity); one "
                                  "AttnRes block of 12 layers (K3 pattern, 896 bf16 experts); 93-layer figures are "
                                  "the 12-layer time x 93/12"})
-    (out / f"{args.name}.md").write_text(markdown(results, targets, copy_bw))
-    print(markdown(results, targets, copy_bw))
+    table = markdown(results, targets, copy_bw, torch.cuda.get_device_name())
+    (out / f"{args.name}.md").write_text(table)
+    print(table)
     return 0 if all(r["status"] == "pass" for r in results) else 1
 
 
@@ -322,8 +323,8 @@ def _yardstick(r: dict) -> str:
     return "—" if y is None else f"{y['rel_err_median']:.1e}"
 
 
-def markdown(results: list[dict], targets: list[dict], copy_bw: float) -> str:
-    lines = ["Per-rank compute on one H200, collectives not timed; one 12-layer AttnRes block of K3 "
+def markdown(results: list[dict], targets: list[dict], copy_bw: float, gpu: str) -> str:
+    lines = [f"Per-rank compute on one {gpu}, collectives not timed; one 12-layer AttnRes block of K3 "
              f"(93-layer = x93/12); copy bandwidth {copy_bw:.2f} TB/s.", "",
              "| TP | rows | q | ctx | specialized µs | graphed std µs | compiled std µs | eager std µs | floor µs | "
              "x floor | vs graphed | vs compiled | vs eager | parity rel err (median) | yardstick's | parity |",
