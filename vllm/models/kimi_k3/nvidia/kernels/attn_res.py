@@ -24,7 +24,8 @@ with H contiguous (upstream's `[M, 8, H]` buffer passes as `buf.transpose(0, 1)`
 addend, live_out, mix_out and out are `[M, H]` BF16 with contiguous rows (any row stride that is
 a multiple of 8, so live_out may be a block slot `buf[:, j]` when a block completes); γ, w, g are
 contiguous `[H]` BF16. live_out may be the prefix itself (in-place update: each element is read
-and written by one thread); out and mix_out must not overlap any source. Compiles for sm_90a,
+and written by one thread); out and mix_out may share no byte with a source, the addend,
+live_out or each other (checked: rows of other clusters are read while these are written). Compiles for sm_90a,
 sm_100a, sm_103a (thread-block clusters: sm_90 and later).
 
 Design: every source byte is read once. A row is cut into `split` column ranges, one CTA each,
@@ -319,10 +320,50 @@ def _check(blocks: torch.Tensor | None, n_blocks: int, prefix: torch.Tensor | No
     for name, t in (("norm_w", norm_w), ("proj_w", proj_w), ("out_w", out_w)):
         if t is not None:
             check_vector(k, name, t, h)
+    if out is not None or mix_out is not None:
+        _check_disjoint(k, {"blocks": blocks if n_blocks else None, "prefix": prefix, "addend": addend,
+                            "live_out": live_out}, n_blocks, {"out": out, "mix_out": mix_out})
     check_devices(k, {"blocks": blocks if n_blocks else None, "prefix": prefix, "addend": addend,
                       "live_out": live_out, "mix_out": mix_out, "out": out, "norm_w": norm_w, "proj_w": proj_w,
                       "out_w": out_w})
     return m, h
+
+
+def _row_spans(t: torch.Tensor, slots: int | None = None) -> list[tuple[int, int]]:
+    """The byte ranges of the rows `t` holds: [M, H] rows, or the first `slots` slots of [slots, M, H]."""
+    h, size, base = t.shape[-1], t.element_size(), t.data_ptr()
+    if t.dim() == 2:
+        starts = [r * t.stride(0) for r in range(t.shape[0])]
+    else:
+        starts = [s * t.stride(0) + r * t.stride(1) for s in range(slots) for r in range(t.shape[1])]
+    return sorted((base + e * size, base + (e + h) * size) for e in starts)
+
+
+def _overlap(a: list[tuple[int, int]], b: list[tuple[int, int]]) -> bool:
+    """Whether two sorted lists of byte ranges share a byte."""
+    i = j = 0
+    while i < len(a) and j < len(b):
+        if a[i][1] <= b[j][0]:
+            i += 1
+        elif b[j][1] <= a[i][0]:
+            j += 1
+        else:
+            return True
+    return False
+
+
+def _check_disjoint(k: str, read: dict[str, torch.Tensor | None], n_blocks: int,
+                    written: dict[str, torch.Tensor | None]) -> None:
+    """Each written tensor shares no byte with what the launch reads or writes besides it."""
+    seen = {name: _row_spans(t, n_blocks if name == "blocks" else None) for name, t in read.items() if t is not None}
+    for name, t in written.items():
+        if t is None:
+            continue
+        spans = _row_spans(t)
+        for other, theirs in seen.items():
+            need(not _overlap(spans, theirs), k, f"{name} shares memory with {other}: its rows are written while "
+                 f"other clusters may still access theirs; give {name} a buffer of its own")
+        seen[name] = spans
 
 
 _COMPILED: dict[tuple[AttnResPlan, str], Any] = {}

@@ -110,6 +110,9 @@ def test_rms_norm_envelope_errors(case, match):
     ("live", "live_out is only written"),
     ("mix", "mix_out (the rounded mixture before the norm) needs out_w"),
     ("slots", "n_blocks=3 but blocks has only 2 slots"),
+    ("out_on_block", "out shares memory with blocks"),
+    ("out_on_next_row", "out shares memory with prefix"),
+    ("mix_on_out", "mix_out shares memory with out"),
 ])
 def test_attn_res_envelope_errors(case, match):
     m = 2
@@ -133,9 +136,27 @@ def test_attn_res_envelope_errors(case, match):
         kw["mix_out"] = _bf(m, H)
     elif case == "slots":
         blocks = _bf(2, m, H)
+    elif case == "out_on_block":  # slot 2 is a source (n_blocks=3)
+        kw["out"] = blocks[2]
+    elif case == "out_on_next_row":  # out's row 0 is the prefix's row 1: another cluster's source
+        rows = _bf(m + 1, H)
+        kw.update(prefix=rows[1:], out=rows[:m])
+    elif case == "mix_on_out":
+        kw.update(out=_bf(m, H), out_w=w)
+        kw["mix_out"] = kw["out"]
     n_blocks, prefix = kw.pop("n_blocks"), kw.pop("prefix")
     with pytest.raises(NormEnvelopeError, match=re.escape(match)):
         attn_res.launch(blocks, n_blocks, prefix, w, w, EPS, **kw)
+
+
+def test_attn_res_overlap_check_passes_interleaved_disjoint_rows():
+    """Slots of one [M, 8, H] buffer interleave by row: out in slot 5 and live_out in slot 3 share
+    no byte with the sources in slots 0-2, so only the device check (CPU tensors here) objects."""
+    m, w = 2, _bf(H)
+    buf = _bf(m, 8, H)
+    with pytest.raises(NormEnvelopeError, match="must be a CUDA tensor"):
+        attn_res.launch(buf.transpose(0, 1), 3, _bf(m, H), w, w, EPS, addend=_bf(m, H), live_out=buf[:, 3],
+                        out=buf[:, 5])
 
 
 @pytest.mark.parametrize("case, match", [
