@@ -25,6 +25,14 @@ if [ "$K3_COMMIT" = "$(git rev-parse HEAD 2>/dev/null)" ] &&
   echo "h200_call: K3_COMMIT is this copy's .git HEAD, but the tracked files differ from that commit (the copy's .git is older than its tree): set K3_COMMIT to \$(git rev-parse HEAD) computed on the CPU side, where the tree was committed"
   exit 2
 fi
+# the records go to evidence/h200/, so a lent card of another kind (an H100 came on 2026-12-05)
+# stops the call before it spends device time; K3_ANY_GPU=1 lets a judging call run anyway (its
+# relative timings hold on the card it ran on, and its records are not H200 evidence)
+GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
+if [[ "$GPU_NAME" != *H200* && -z "${K3_ANY_GPU:-}" ]]; then
+  echo "h200_call: this card is '${GPU_NAME:-none}', not an H200: nothing run (K3_ANY_GPU=1 runs anyway, for figures that are not H200 records)"
+  exit 3
+fi
 export FAST_TRACK_COMMIT=${FAST_TRACK_COMMIT:-$K3_COMMIT}
 python3 -c "import tarfile, glob; tarfile.open(glob.glob('.devwheels/cutedsl-*.tar.xz')[0]).extractall('/tmp/site', filter='tar')" ||
   { echo "h200_call: no .devwheels/cutedsl-*.tar.xz: carry .devwheels (../shared/device/cutedsl_wheels.sh)"; exit 2; }

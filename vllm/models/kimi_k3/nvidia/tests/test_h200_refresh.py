@@ -317,6 +317,12 @@ def test_the_call_refuses_a_commit_taken_from_an_older_git_in_the_device_copy(tm
     for args in (["init", "-q"], ["add", "."], ["commit", "-qm", "older"]):
         subprocess.run(["git", *args], cwd=copy, env=env, check=True)
 
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/bash\necho "NVIDIA H200"\n')
+    fake.chmod(0o755)
+    env["PATH"] = f"{fake.parent}:{env['PATH']}"
+
     def call() -> subprocess.CompletedProcess:
         return subprocess.run(["bash", "-c", f'export OUT={tmp_path}; K3_COMMIT=$(git rev-parse HEAD) '
                                f'source {ROOT}/.ci/h200_call.sh'], cwd=copy, env=env, capture_output=True, text=True)
@@ -327,3 +333,24 @@ def test_the_call_refuses_a_commit_taken_from_an_older_git_in_the_device_copy(tm
     subprocess.run(["git", "checkout", "-q", "kernel.py"], cwd=copy, env=env, check=True)
     passed = call()  # a tree that is its commit gets past the check (and stops at the missing wheels)
     assert "older than its tree" not in passed.stdout and "no .devwheels" in passed.stdout
+
+
+def test_the_call_stops_on_a_card_that_is_not_an_h200(tmp_path):
+    """Its records go to evidence/h200/: an H100 (lent on 2026-12-05) stops it before any step,
+    unless K3_ANY_GPU says the figures are wanted anyway."""
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text('#!/bin/bash\necho "NVIDIA H100 80GB HBM3"\n')
+    fake.chmod(0o755)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "K3_COMMIT": "0" * 40, "OUT": str(tmp_path)}
+
+    def call(extra: dict) -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", f"source {ROOT}/.ci/h200_call.sh"], cwd=tmp_path, env={**env, **extra},
+                              capture_output=True, text=True)
+
+    stopped = call({})
+    assert stopped.returncode == 3 and "'NVIDIA H100 80GB HBM3', not an H200" in stopped.stdout
+    forced = call({"K3_ANY_GPU": "1"})  # past the check, to the missing wheels
+    assert "not an H200" not in forced.stdout and "no .devwheels" in forced.stdout
