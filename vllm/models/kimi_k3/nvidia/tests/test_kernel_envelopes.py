@@ -69,7 +69,6 @@ def test_a_model_outside_the_envelope_is_refused_by_name():
     assert any("kv_c must be [" in msg for msg in refused.get("mla_cache_write", ())), refused
 
 
-
 def test_a_router_other_than_k3s_is_refused_not_run():
     """The router kernel computes K3's sigmoid scores over one expert group: a model with softmax
     scores or grouped routing (both valid configs, both in the reference) must not get them."""
