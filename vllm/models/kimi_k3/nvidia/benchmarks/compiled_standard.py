@@ -40,13 +40,21 @@ class CompiledStandard(SpecializedDecode):
 
     def _forward(self, meta):
         if self.step_compiled is None:
-            self.step_compiled = torch.compile(super()._forward, dynamic=False, backend=self.backend)
-        return self.step_compiled(meta)
+            # the unbound function, called with self: a compiled bound method would hold self
+            # and make a cycle, so `del executor` would no longer free its caches and graphs
+            self.step_compiled = torch.compile(SpecializedDecode._forward, dynamic=False, backend=self.backend)
+        return self.step_compiled(self, meta)
 
 
-def compile_stats() -> dict:
-    """What dynamo did in this process: graphs made and each graph-break reason's count (first
-    line only)."""
+def compile_stats(since: dict | None = None) -> dict:
+    """What dynamo did in this process (since an earlier `compile_stats()`, when given): graphs
+    made and graph breaks, counted by the first line of their reason."""
     counters = torch._dynamo.utils.counters
-    breaks = Counter({reason.splitlines()[0]: n for reason, n in counters["graph_break"].items()})
-    return {"unique_graphs": int(counters["stats"]["unique_graphs"]), "graph_breaks": dict(breaks)}
+    breaks: Counter = Counter()
+    for reason, n in counters["graph_break"].items():
+        breaks[reason.splitlines()[0]] += n
+    if since is not None:
+        breaks.subtract(since["graph_breaks"])
+        breaks = +breaks  # drops the reasons that did not occur since
+    graphs = int(counters["stats"]["unique_graphs"]) - (since["unique_graphs"] if since else 0)
+    return {"unique_graphs": graphs, "graph_breaks": dict(breaks)}

@@ -143,12 +143,15 @@ def run_point(model, executors: dict, std_state, tp: int, rows: int, q: int, con
     fb = floor_bytes(model, spec, key, requests, context)
     floor_ms = fb / (copy_bw * 1e12) * 1e3
     t_spec = times["specialized"]
+    fastest = min((k for k in ("standard_graphed", "standard_compiled") if k in times), key=times.get, default=None)
     res = {**base, "name": f"tp{tp} rows{rows} q{q} ctx{context}", "time_us": t_spec * 1e3,
            "baseline_us": {k: v * 1e3 for k, v in times.items() if k != "specialized"},
            "floor_us": floor_ms * 1e3, "floor_bytes": fb, "x_floor": t_spec / floor_ms,
            "speedup_vs_eager": times["standard_eager"] / t_spec,
            "speedup_vs_graphed": times["standard_graphed"] / t_spec if "standard_graphed" in times else None,
            "speedup_vs_compiled": times["standard_compiled"] / t_spec if "standard_compiled" in times else None,
+           # the targets' standard step: the faster of those timed here (compiled only with --compile)
+           "standard_baseline": fastest, "speedup_vs_standard": times[fastest] / t_spec if fastest else None,
            "tokens_per_s_per_request": q / (t_spec * 1e-3 * FULL_LAYERS / BLOCK_LAYERS),
            "tokens_per_s_per_gpu": rows / (t_spec * 1e-3 * FULL_LAYERS / BLOCK_LAYERS),
            "step_93_layers_est_us": t_spec * 1e3 * FULL_LAYERS / BLOCK_LAYERS, "parity": par}
@@ -171,24 +174,29 @@ def _rollback_to(state, slots: list[int], context: int) -> None:
         state.accepted[r] = 1
 
 
+def _baselines(points: list[dict]) -> str:
+    """Which standard steps the points' fastest baseline came from, e.g. 'standard_compiled'."""
+    return ", ".join(sorted({r["standard_baseline"] for r in points}))
+
+
 def targets_of(results: list[dict]) -> list[dict]:
     def pick(**kw):
         return [r for r in results if all(r[k] == v for k, v in kw.items())]
     out = []
     small = [r for r in pick(tp=16, q=1, context=4096) if r["rows"] in (1, 2)]
-    if small and all(r["speedup_vs_graphed"] for r in small):
-        worst = min(r["speedup_vs_graphed"] for r in small)
-        out.append({"name": "rows 1-2, TP16, q 1, ctx 4K: specialized vs graphed standard", "target": ">= 2.0x",
-                    "value": round(worst, 3), "met": worst >= 2.0})
+    if small and all(r["speedup_vs_standard"] for r in small):
+        worst = min(r["speedup_vs_standard"] for r in small)
+        out.append({"name": "rows 1-2, TP16, q 1, ctx 4K: specialized vs the fastest standard step timed "
+                    f"({_baselines(small)})", "target": ">= 2.0x", "value": round(worst, 3), "met": worst >= 2.0})
     if small:
         worst = max(r["x_floor"] for r in small)
         out.append({"name": "rows 1-2, TP16, q 1, ctx 4K: time over HBM floor", "target": "<= 1.25x",
                     "value": round(worst, 3), "met": worst <= 1.25})
     big = pick(tp=8, rows=64, q=1)
-    if big and all(r["speedup_vs_graphed"] for r in big):
-        worst = min(r["speedup_vs_graphed"] for r in big)
-        out.append({"name": "rows 64, TP8: specialized vs graphed standard", "target": ">= 1.4x",
-                    "value": round(worst, 3), "met": worst >= 1.4})
+    if big and all(r["speedup_vs_standard"] for r in big):
+        worst = min(r["speedup_vs_standard"] for r in big)
+        out.append({"name": f"rows 64, TP8: specialized vs the fastest standard step timed ({_baselines(big)})",
+                    "target": ">= 1.4x", "value": round(worst, 3), "met": worst >= 1.4})
     for tp in (16, 8):
         one, verify = pick(tp=tp, rows=1, q=1), pick(tp=tp, rows=8, q=8)
         if one and verify:
@@ -283,6 +291,7 @@ def run_context(model: ReferenceModel, tp: int, keys: list[tuple[int, int]], ctx
         except Exception as e:  # noqa: BLE001
             notes.append(f"graphed standard baseline unavailable: {type(e).__name__}: {e}")
             print(f"[decode_latency] {notes[-1]}", file=sys.stderr)
+    compiled_before = compile_stats()
     if args.compile:
         try:  # as the graphed baseline: a compile that fails is said, not fatal
             executors["standard_compiled"] = CompiledStandard(model, max_requests=max_req, max_len=max_len,
@@ -312,7 +321,7 @@ def run_context(model: ReferenceModel, tp: int, keys: list[tuple[int, int]], ctx
                     "build": {k: {"seconds": round(e.report.seconds, 1),
                                   "graph_MiB": round(e.report.graph_bytes / 2**20, 1)} for k, e in executors.items()},
                     "launches_per_step": {f"{r},{q}": spec.launches((r, q)) for r, q in keys[:1]},
-                    **({"compile": compile_stats()} if "standard_compiled" in executors else {})})
+                    **({"compile": compile_stats(compiled_before)} if args.compile else {})})
     del executors, untimed, std_state
     torch.cuda.empty_cache()
     return results

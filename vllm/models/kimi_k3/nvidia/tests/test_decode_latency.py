@@ -112,3 +112,15 @@ def test_the_eager_step_is_timed_on_the_parity_steps_when_there_are_enough():
     # the first step, a warm-up, is left out of the median
     assert decode_latency.eager_step_ms([900.0, 5.0, 7.0, 6.0, 5.5, 6.5, 6.0], again) == 6.0
     assert decode_latency.eager_step_ms([900.0, 5.0, 7.0], lambda: 42.0) == 42.0  # too few: timed apart
+
+
+def test_speed_targets_are_judged_against_the_fastest_standard_step_timed():
+    """With --compile the compiled standard step may beat the graphed one: the targets take, per
+    point, whichever was faster (`run_point`'s `speedup_vs_standard`) and say which it was."""
+    def point(rows, graphed, compiled):
+        fastest = min((("standard_graphed", graphed), ("standard_compiled", compiled)), key=lambda kv: kv[1])
+        return {"tp": 16, "q": 1, "context": 4096, "rows": rows, "time_us": 100.0, "x_floor": 1.4,
+                "standard_baseline": fastest[0], "speedup_vs_standard": fastest[1] / 100.0}
+    targets = decode_latency.targets_of([point(1, 900.0, 250.0), point(2, 900.0, 190.0)])
+    (vs,) = [t for t in targets if "fastest standard step" in t["name"]]
+    assert vs["value"] == 1.9 and not vs["met"] and "(standard_compiled)" in vs["name"]
