@@ -150,12 +150,17 @@ class BuildReport:
 
 def _check_step(ids: torch.Tensor, segments: list[Segment], rows: int, state: DecodeState) -> None:
     """Refuse a step the state cannot have produced: a wrong input would otherwise run, on
-    whatever the buffers held (missing ids decode token 0; a request twice races its own state;
-    a segment taken before the last commit rewrites cached rows)."""
+    whatever the buffers held (missing ids decode token 0; a freed or padding slot is written as
+    if it were a request; a request twice races its own state; a segment taken before the last
+    commit rewrites cached rows)."""
     if ids.numel() != rows:
         raise ExecutorError(f"{ids.numel()} token ids for a step of {rows} rows: give one id per row")
     seen: set[int] = set()
     for s in segments:
+        if not (0 <= s.request < state.max_requests and state.in_use[s.request]):
+            raise ExecutorError(f"segment request={s.request} is not an allocated request slot of the state (0.."
+                                f"{state.max_requests - 1}); take segments from state.segment() on a slot from "
+                                "state.allocate() (the executor pads the step itself)")
         if s.request in seen:
             raise ExecutorError(f"request {s.request} appears twice in one step; give each request one segment")
         seen.add(s.request)

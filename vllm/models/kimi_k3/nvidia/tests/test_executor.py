@@ -3,6 +3,7 @@ reference model's bit for bit (AttnRes block slots, MLA cache writes, KDA slots,
 bucket, verify steps and rollback), since both run the same functions and only the executor's
 buffers, metadata and layer wiring differ. The kernels themselves are the GPU tests' job."""
 
+import dataclasses
 from collections import Counter
 from contextlib import contextmanager
 
@@ -229,8 +230,9 @@ def test_plan_declines_what_no_bucket_serves(model):
 
 def test_a_step_the_state_cannot_have_produced_is_refused(model):
     """Too few ids (the missing rows would decode token 0), a request twice (its two rows would race
-    one state), a segment taken before the last commit (it would rewrite a cached row): each is
-    refused by name, and the state is left as it was."""
+    one state), a segment taken before the last commit (it would rewrite a cached row), a padding
+    or freed slot (written as if it were a request): each is refused by name, and the state is
+    left as it was."""
     ex = _executor(model)
     slots = prefill(model, ex.state, [[1, 2, 3], [4, 5]])
     segs = [ex.state.segment(r, j, 1, prefill=False) for j, r in enumerate(slots)]
@@ -243,6 +245,13 @@ def test_a_step_the_state_cannot_have_produced_is_refused(model):
     assert ex.state.seq_lens == before
     ex(torch.tensor([7, 8]), segs, ex.state)  # the step as the state holds it runs, and commits
     with pytest.raises(ExecutorError, match="take segments from state.segment"):
+        ex(torch.tensor([7, 8]), segs, ex.state)
+    # a padding segment, and a slot freed after its segment was taken: neither is a request
+    segs = [ex.state.segment(r, j, 1, prefill=False) for j, r in enumerate(slots)]
+    with pytest.raises(ExecutorError, match="segment request=-1 is not an allocated request slot"):
+        ex(torch.tensor([7, 8]), [segs[0], dataclasses.replace(segs[1], request=-1)], ex.state)
+    ex.state.free(slots[1])
+    with pytest.raises(ExecutorError, match=f"segment request={slots[1]} is not an allocated request slot"):
         ex(torch.tensor([7, 8]), segs, ex.state)
 
 
