@@ -201,13 +201,15 @@ def launch(logits: torch.Tensor, bias: torch.Tensor, top_k: int, *, renormalize:
            weights_out: torch.Tensor | None = None, ids_out: torch.Tensor | None = None,
            stream: torch.cuda.Stream | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(weights fp32 [M, k], ids int32 [M, k]) of the router (module docstring), on `stream`.
-    `scoring` and `expert_groups` are the model's (its moe_router_activation_func and
-    num_expert_group): the kernel refuses any but K3's sigmoid over one group rather than route
-    such a model wrongly."""
+    `scoring` is the model's moe_router_activation_func and `expert_groups` the groups its
+    selection really uses (`reference/moe.py::selection_groups`: 1 where grouping is off or keeps
+    every group): the kernel refuses any but K3's sigmoid over one group rather than route such a
+    model wrongly."""
     if scoring != "sigmoid" or expert_groups != 1:
         raise MoERouterEnvelopeError(
-            f"moe_router: scoring={scoring!r} with {expert_groups} expert group(s): the kernel implements "
-            "sigmoid scores over a single group (K3's); such a model routes on the standard path")
+            f"moe_router: scoring={scoring!r} (moe_router_activation_func) over {expert_groups} expert group(s) "
+            "(num_expert_group, topk_group, use_grouped_topk): the kernel implements sigmoid scores over a "
+            "single group (K3's); such a model routes on the standard path")
     check_envelope(logits, bias, top_k)
     m, n_experts = logits.shape
     for name, t, dtype in (("weights_out", weights_out, torch.float32), ("ids_out", ids_out, torch.int32)):

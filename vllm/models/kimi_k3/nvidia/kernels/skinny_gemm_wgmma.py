@@ -113,8 +113,8 @@ def choose_wgmma_tiling(n: int, k: int, m_atoms: int, sm_count: int) -> WgmmaTil
     least two K tiles each and the fp32 partials (written, then read back) under a quarter of W's
     bytes, and are renumbered so that none is empty; each tiling has as many stages as let two
     CTAs share an SM and a split has K tiles. Where N alone leaves SMs idle or a short last round
-    (lm_head@tp8: 160 CTAs of 128 rows, a second round of 28), the model splits K or halves the
-    CTAs; where N fills the SMs evenly, it keeps one split."""
+    (lm_head@tp8: 160 CTAs of 128 rows, a second round of 28), the model splits K or takes
+    64-row CTAs (lm_head@tp8: 320, two to an SM); where N fills the SMs evenly, it keeps one split."""
     k_tiles = -(-k // TILE_K)
     most = max(1, min(k_tiles // 2, k // (16 * token_rows(m_atoms))))
     best: tuple[float, WgmmaTiling] | None = None

@@ -138,7 +138,7 @@ def test_attn_res_envelope_errors(case, match):
         blocks = _bf(2, m, H)
     elif case == "out_on_block":  # slot 2 is a source (n_blocks=3)
         kw["out"] = blocks[2]
-    elif case == "out_on_next_row":  # out's row 0 is the prefix's row 1: another cluster's source
+    elif case == "out_on_next_row":  # out's row 1 is the prefix's row 0: another cluster's source
         rows = _bf(m + 1, H)
         kw.update(prefix=rows[1:], out=rows[:m])
     elif case == "mix_on_out":
