@@ -29,7 +29,7 @@ fi
 # stops the call before it spends device time; K3_ANY_GPU=1 lets a judging call run anyway (its
 # relative timings hold on the card it ran on, and its records are not H200 evidence)
 GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
-if [[ "$GPU_NAME" != *H200* && -z "${K3_ANY_GPU:-}" ]]; then
+if [[ "$GPU_NAME" != *H200* && "${K3_ANY_GPU:-0}" != 1 ]]; then
   echo "h200_call: this card is '${GPU_NAME:-none}', not an H200: nothing run (K3_ANY_GPU=1 runs anyway, for figures that are not H200 records)"
   exit 3
 fi

@@ -350,7 +350,8 @@ def test_the_call_stops_on_a_card_that_is_not_an_h200(tmp_path):
         return subprocess.run(["bash", "-c", f"source {ROOT}/.ci/h200_call.sh"], cwd=tmp_path, env={**env, **extra},
                               capture_output=True, text=True)
 
-    stopped = call({})
-    assert stopped.returncode == 3 and "'NVIDIA H100 80GB HBM3', not an H200" in stopped.stdout
+    for extra in ({}, {"K3_ANY_GPU": "0"}):
+        stopped = call(extra)
+        assert stopped.returncode == 3 and "'NVIDIA H100 80GB HBM3', not an H200" in stopped.stdout
     forced = call({"K3_ANY_GPU": "1"})  # past the check, to the missing wheels
     assert "not an H200" not in forced.stdout and "no .devwheels" in forced.stdout
