@@ -105,3 +105,29 @@ def test_parity_record_is_written_once_the_module_ran(tmp_path):
     rec = json.loads((tmp_path / "ev" / "p.json").read_text())
     assert (rec["kind"], rec["family"], rec["command"]) == ("parity", "demo", f"pytest -m gpu {named}")
     assert [r["name"] for r in rec["results"]] == ["a", "b"] and rec["sources"] == [*SOURCES, named]
+
+
+def test_committed_records_sit_in_the_folder_of_the_machine_that_made_them():
+    """evidence/h200/ holds what an H200 ran and evidence/cpu/ what ran with no GPU: on
+    2026-12-05 an H100 was lent in place of the H200, and its records, copied by habit, would
+    have passed for H200 evidence."""
+    evidence = os.path.join(os.path.dirname(__file__), "..", "evidence")
+    checked = 0
+    for folder in sorted(os.listdir(evidence)):
+        path = os.path.join(evidence, folder)
+        if not os.path.isdir(path):
+            continue
+        for name in sorted(os.listdir(path)):
+            if not name.endswith(".json"):
+                continue
+            with open(os.path.join(path, name)) as f:
+                data = json.load(f)
+            for rec in data if isinstance(data, list) else [data]:
+                gpu = str(rec.get("gpu") or "none")
+                where = f"evidence/{folder}/{name} ran on {gpu!r}"
+                if folder == "cpu":
+                    assert gpu.lower() in ("none", "cpu"), f"{where}: the cpu folder is for runs without a GPU"
+                else:
+                    assert folder.lower() in gpu.lower(), f"{where}: move it to its GPU's folder"
+                checked += 1
+    assert checked >= 40  # the committed records, not an empty folder
