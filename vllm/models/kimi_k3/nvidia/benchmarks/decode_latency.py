@@ -291,8 +291,8 @@ def run_context(model: ReferenceModel, tp: int, keys: list[tuple[int, int]], ctx
         except Exception as e:  # noqa: BLE001
             notes.append(f"graphed standard baseline unavailable: {type(e).__name__}: {e}")
             print(f"[decode_latency] {notes[-1]}", file=sys.stderr)
-    compiled_before = compile_stats()
     if args.compile:
+        compiled_before = compile_stats()
         try:  # as the graphed baseline: a compile that fails is said, not fatal
             executors["standard_compiled"] = CompiledStandard(model, max_requests=max_req, max_len=max_len,
                                                               buckets=keys)
