@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -111,23 +112,15 @@ def test_committed_records_sit_in_the_folder_of_the_machine_that_made_them():
     """evidence/h200/ holds what an H200 ran and evidence/cpu/ what ran with no GPU: on
     2026-12-05 an H100 was lent in place of the H200, and its records, copied by habit, would
     have passed for H200 evidence."""
-    evidence = os.path.join(os.path.dirname(__file__), "..", "evidence")
     checked = 0
-    for folder in sorted(os.listdir(evidence)):
-        path = os.path.join(evidence, folder)
-        if not os.path.isdir(path):
-            continue
-        for name in sorted(os.listdir(path)):
-            if not name.endswith(".json"):
-                continue
-            with open(os.path.join(path, name)) as f:
-                data = json.load(f)
-            for rec in data if isinstance(data, list) else [data]:
-                gpu = str(rec.get("gpu") or "none")
-                where = f"evidence/{folder}/{name} ran on {gpu!r}"
-                if folder == "cpu":
-                    assert gpu.lower() in ("none", "cpu"), f"{where}: the cpu folder is for runs without a GPU"
-                else:
-                    assert folder.lower() in gpu.lower(), f"{where}: move it to its GPU's folder"
-                checked += 1
+    for path in sorted((Path(__file__).parent.parent / "evidence").glob("*/*.json")):
+        folder, data = path.parent.name, json.loads(path.read_text())
+        for rec in data if isinstance(data, list) else [data]:
+            gpu = str(rec.get("gpu") or "none")
+            where = f"evidence/{folder}/{path.name} ran on {gpu!r}"
+            if folder == "cpu":
+                assert gpu.lower() in ("none", "cpu"), f"{where}: the cpu folder is for runs without a GPU"
+            else:
+                assert folder.lower() in gpu.lower(), f"{where}: move it to its GPU's folder"
+            checked += 1
     assert checked >= 40  # the committed records, not an empty folder
