@@ -25,14 +25,22 @@ if [ "$K3_COMMIT" = "$(git rev-parse HEAD 2>/dev/null)" ] &&
   echo "h200_call: K3_COMMIT is this copy's .git HEAD, but the tracked files differ from that commit (the copy's .git is older than its tree): set K3_COMMIT to \$(git rev-parse HEAD) computed on the CPU side, where the tree was committed"
   exit 2
 fi
-# the records go to evidence/h200/, so a lent card of another kind (an H100 came on 2026-12-05)
-# stops the call before it spends device time; K3_ANY_GPU=1 lets a judging call run anyway (its
-# relative timings hold on the card it ran on, and its records are not H200 evidence)
+# the records go to the folder of the card they ran on, evidence/h200/ or evidence/h100/ (SCOPE.yaml
+# validates the same envelope on both; the pool lends H100s when no H200 comes, as on 2026-12-05):
+# another card stops the call before it spends device time; K3_ANY_GPU=1 lets a judging call run
+# anyway (its relative timings hold on the card it ran on, and its records are no one's evidence)
 GPU_NAME=$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1)
-if [[ "$GPU_NAME" != *H200* && "${K3_ANY_GPU:-0}" != 1 ]]; then
-  echo "h200_call: this card is '${GPU_NAME:-none}', not an H200: nothing run (K3_ANY_GPU=1 runs anyway, for figures that are not H200 records)"
-  exit 3
-fi
+case "$GPU_NAME" in
+  *H200*) K3_GPU_FOLDER=h200 ;;
+  *H100*) K3_GPU_FOLDER=h100 ;;
+  *) if [[ "${K3_ANY_GPU:-0}" != 1 ]]; then
+       echo "h200_call: this card is '${GPU_NAME:-none}', not an H200 or H100: nothing run (K3_ANY_GPU=1 runs anyway, for figures that are not records)"
+       exit 3
+     fi
+     K3_GPU_FOLDER=none ;;
+esac
+export K3_GPU_FOLDER
+echo "h200_call: ${GPU_NAME:-no GPU}: its records belong in evidence/$K3_GPU_FOLDER/"
 export FAST_TRACK_COMMIT=${FAST_TRACK_COMMIT:-$K3_COMMIT}
 python3 -c "import tarfile, glob; tarfile.open(glob.glob('.devwheels/cutedsl-*.tar.xz')[0]).extractall('/tmp/site', filter='tar')" ||
   { echo "h200_call: no .devwheels/cutedsl-*.tar.xz: carry .devwheels (../shared/device/cutedsl_wheels.sh)"; exit 2; }

@@ -140,9 +140,10 @@ def test_strict_scope_raises_with_every_reason():
     with pytest.raises(ScopeError) as info:
         Dispatcher(strict, a100_tp4())
     msg = str(info.value)
-    for reason in ("GPU NVIDIA A100 (sm_80) not in scope [GB300 sm_103, H200 sm_90]",
+    for reason in ("GPU NVIDIA A100 (sm_80) not in scope [GB300 sm_103, H200 sm_90, H100 sm_90]",
                    "gb300-tp8-tp16: tensor_parallel 4 not in [8, 16]",
                    "h200-validation: tensor_parallel 4 not in [1, 8, 16], expert dtype mxfp4 is not bfloat16",
+                   "h100-validation: tensor_parallel 4 not in [1, 8, 16], expert dtype mxfp4 is not bfloat16",
                    "strict_scope is set"):
         assert reason in msg, msg
     # an in-scope GPU but a declared envelope: strict refuses it without allow_unvalidated
@@ -166,7 +167,7 @@ def test_startup_verdict_off_is_one_line_with_every_reason(caplog):
     assert rec.levelno == logging.WARNING and not d.enabled
     assert rec.getMessage().startswith(
         "Kimi K3 latency_specialized decode OFF, the standard path serves every step: "
-        "GPU NVIDIA A100 (sm_80) not in scope [GB300 sm_103, H200 sm_90]; gb300-tp8-tp16: "
+        "GPU NVIDIA A100 (sm_80) not in scope [GB300 sm_103, H200 sm_90, H100 sm_90]; gb300-tp8-tp16: "
         "tensor_parallel 4 not in [8, 16]")
     assert len(d.verdict.reasons) > 2 and all(r in rec.getMessage() for r in d.verdict.reasons)
 
@@ -345,7 +346,7 @@ def test_scope_cli_refuses_a100_tp4_with_every_reason(capsys):
     rc, out, _ = scope_cmd(["--gpu", "A100", "--tp", "4"], capsys)
     assert rc == 0
     assert "verdict: OUT OF SCOPE: the standard path serves every step, because" in out
-    assert "  - GPU NVIDIA A100 (sm_80) not in scope [GB300 sm_103, H200 sm_90]\n" in out
+    assert "  - GPU NVIDIA A100 (sm_80) not in scope [GB300 sm_103, H200 sm_90, H100 sm_90]\n" in out
     assert "  - gb300-tp8-tp16: tensor_parallel 4 not in [8, 16], status declared" in out
     assert "  - h200-validation: tensor_parallel 4 not in [1, 8, 16], expert dtype mxfp4 is not bfloat16" in out
 

@@ -1,6 +1,6 @@
 """SCOPE.yaml's preserved features on the kernels: the shipped tiny model (inside every kernel's
-envelope) served on the H200 by the specialized executor's CUDA graphs, against the standard
-path on the same weights. The CPU tests of the same features (test_engine.py,
+envelope) served on this GPU (SCOPE.yaml's H200 or H100 envelope) by the specialized executor's
+CUDA graphs, against the standard path on the same weights. The CPU tests of the same features (test_engine.py,
 test_model_reference.py) prove the harness and the fallback; these prove the kernels keep them.
 
 - temperature / top-k / top-p sampling with seeds: the standard path against itself is exact
@@ -59,8 +59,7 @@ def tiny():
 def _run(model, backend: str, requests: list[Request]):
     """The CLI's flow: dispatcher, executor when admitted, engine on the executor's state."""
     extra = {"decode_backend": backend, **({"allow_unvalidated": True} if backend != "auto" else {})}
-    d = Dispatcher(BackendOptions.parse(extra), Deployment.describe(gpu="H200", tp=1, max_model_len=MAX_LEN,
-                                                                   expert_dtype="bfloat16"))
+    d = Dispatcher(BackendOptions.parse(extra), Deployment.detect(tp=1, max_model_len=MAX_LEN, expert_dtype="bfloat16"))
     ex = build_specialized(model, d, len(requests), MAX_LEN)
     if backend != "auto":
         assert ex is not None, "the specialized executor was not built for the tiny model"

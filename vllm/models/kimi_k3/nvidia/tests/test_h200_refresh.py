@@ -335,23 +335,27 @@ def test_the_call_refuses_a_commit_taken_from_an_older_git_in_the_device_copy(tm
     assert "older than its tree" not in passed.stdout and "no .devwheels" in passed.stdout
 
 
-def test_the_call_stops_on_a_card_that_is_not_an_h200(tmp_path):
-    """Its records go to evidence/h200/: an H100 (lent on 2026-12-05) stops it before any step,
-    unless K3_ANY_GPU says the figures are wanted anyway."""
+def test_the_call_names_the_records_folder_of_its_card_and_stops_on_another(tmp_path):
+    """Records go to the folder of the card that ran them: an H200 to evidence/h200/, an H100
+    (SCOPE.yaml's h100-validation, lent since 2026-12-05) to evidence/h100/; a card with no
+    envelope stops the call before any step, unless K3_ANY_GPU says the figures are wanted anyway."""
     if shutil.which("bash") is None:
         pytest.skip("no bash")
     fake = tmp_path / "bin" / "nvidia-smi"
     fake.parent.mkdir()
-    fake.write_text('#!/bin/bash\necho "NVIDIA H100 80GB HBM3"\n')
-    fake.chmod(0o755)
     env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "K3_COMMIT": "0" * 40, "OUT": str(tmp_path)}
 
-    def call(extra: dict) -> subprocess.CompletedProcess:
+    def call(card: str, extra: dict) -> subprocess.CompletedProcess:
+        fake.write_text(f'#!/bin/bash\necho "{card}"\n')
+        fake.chmod(0o755)
         return subprocess.run(["bash", "-c", f"source {ROOT}/.ci/h200_call.sh"], cwd=tmp_path, env={**env, **extra},
                               capture_output=True, text=True)
 
+    for card, folder in (("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100")):
+        ran = call(card, {})  # past the check, to the missing wheels
+        assert f"records belong in evidence/{folder}/" in ran.stdout and "no .devwheels" in ran.stdout, ran.stdout
     for extra in ({}, {"K3_ANY_GPU": "0"}):
-        stopped = call(extra)
-        assert stopped.returncode == 3 and "'NVIDIA H100 80GB HBM3', not an H200" in stopped.stdout
-    forced = call({"K3_ANY_GPU": "1"})  # past the check, to the missing wheels
-    assert "not an H200" not in forced.stdout and "no .devwheels" in forced.stdout
+        stopped = call("NVIDIA A100-SXM4-80GB", extra)
+        assert stopped.returncode == 3 and "'NVIDIA A100-SXM4-80GB', not an H200 or H100" in stopped.stdout
+    forced = call("NVIDIA A100-SXM4-80GB", {"K3_ANY_GPU": "1"})
+    assert "records belong in evidence/none/" in forced.stdout and "no .devwheels" in forced.stdout

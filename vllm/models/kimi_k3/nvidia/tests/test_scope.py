@@ -170,7 +170,7 @@ MALFORMED = [
     ("wrong model", _set(["model"], "deepseek_v41"), "model", '"kimi_k3"', "string 'deepseek_v41'"),
     ("duplicate name", _set(["envelopes", 1, "name"], "gb300-tp8-tp16"), "envelopes[1].name",
      "a name no other envelope uses", "already the name of envelopes[0]"),
-    ("overlap", _add_overlapping, "envelopes[2]", "no deployment step can match twice",
+    ("overlap", _add_overlapping, "envelopes[3]", "no deployment step can match twice",
      "'gb300-small' overlaps envelopes[0] 'gb300-tp8-tp16' on GPU GB300 sm_103, speculative "
      "[dspark, none], tensor_parallel [16], rows [1, 2], tokens_per_request [1..8]"),
     ("validated without evidence", _set(["envelopes", 0, "status"], "validated"),
@@ -218,7 +218,7 @@ def test_envelopes_that_differ_in_a_dtype_or_in_rows_do_not_overlap(tmp_path):
     large = copy.deepcopy(env(data, 0))
     large.update(name="gb300-large", rows_per_step=[128, 256])
     data["envelopes"] += [bf16, large]
-    assert len(Scope.load(write(tmp_path, data)).envelopes) == 4
+    assert len(Scope.load(write(tmp_path, data)).envelopes) == len(shipped()["envelopes"]) + 2
 
 
 def test_yaml_level_errors_name_the_file_and_line(tmp_path):
@@ -280,7 +280,7 @@ def test_validated_envelope_admits_without_allow_unvalidated(tmp_path):
 
 
 @pytest.mark.parametrize("inside,outside,reason", [
-    (dict(gpu="GB300"), dict(gpu="B300"), "GPU NVIDIA B300 (sm_103) not in scope [GB300 sm_103, H200 sm_90]"),
+    (dict(gpu="GB300"), dict(gpu="B300"), "GPU NVIDIA B300 (sm_103) not in scope [GB300 sm_103, H200 sm_90, H100 sm_90]"),
     (dict(gpu="GB300"), dict(gpu="GB300", compute_capability="10.0"), "not in scope"),
     (dict(tp=16), dict(tp=4), "tensor_parallel 4 not in [8, 16]"),
     (dict(tp=8), dict(tp=32), "tensor_parallel 32 not in [8, 16]"),
@@ -305,7 +305,7 @@ def test_gb300_boundaries(scope, inside, outside, reason):
 
 
 @pytest.mark.parametrize("inside,outside,reason", [
-    (dict(gpu="H200"), dict(gpu="H100"), "GPU NVIDIA H100 (sm_90) not in scope"),
+    (dict(gpu="H200"), dict(gpu="A100"), "GPU NVIDIA A100 (sm_80) not in scope"),
     (dict(tp=1), dict(tp=2), "tensor_parallel 2 not in [1, 8, 16]"),
     (dict(expert_dtype="bfloat16"), dict(expert_dtype="mxfp4"), "expert dtype mxfp4 is not bfloat16"),
 ])
@@ -313,6 +313,12 @@ def test_h200_boundaries(scope, inside, outside, reason):
     assert scope.admits(h200(**inside), allow_unvalidated=True).envelope.name == "h200-validation"
     v = scope.admits(h200(**outside), allow_unvalidated=True)
     assert not v and any(reason in r for r in v.reasons), v.reasons
+
+
+def test_an_h100_is_admitted_by_its_own_envelope(scope):
+    """The H100 has its own envelope (and evidence folder), not the H200's."""
+    v = scope.admits(h200(gpu="H100"), allow_unvalidated=True)
+    assert v and v.envelope.name == "h100-validation"
 
 
 def test_context_beyond_the_envelope_is_a_per_step_caveat_not_a_refusal(scope):
@@ -325,10 +331,12 @@ def test_context_beyond_the_envelope_is_a_per_step_caveat_not_a_refusal(scope):
 def test_every_unmet_requirement_of_every_envelope_is_reported(scope):
     v = scope.admits(Deployment.describe(gpu="A100", tp=4))
     assert v.reasons == (
-        "GPU NVIDIA A100 (sm_80) not in scope [GB300 sm_103, H200 sm_90]",
+        "GPU NVIDIA A100 (sm_80) not in scope [GB300 sm_103, H200 sm_90, H100 sm_90]",
         "gb300-tp8-tp16: tensor_parallel 4 not in [8, 16], status declared (not validated; "
         "set allow_unvalidated to admit it)",
         "h200-validation: tensor_parallel 4 not in [1, 8, 16], expert dtype mxfp4 is not "
+        "bfloat16, status declared (not validated; set allow_unvalidated to admit it)",
+        "h100-validation: tensor_parallel 4 not in [1, 8, 16], expert dtype mxfp4 is not "
         "bfloat16, status declared (not validated; set allow_unvalidated to admit it)",
     )
     # a GPU in scope: the other GPU's envelope names the mismatch itself
@@ -337,6 +345,7 @@ def test_every_unmet_requirement_of_every_envelope_is_reported(scope):
         "gb300-tp8-tp16: GPU NVIDIA H200 (sm_90) is not GB300 sm_103, tensor_parallel 4 not in "
         "[8, 16], expert dtype bfloat16 is not mxfp4",
         "h200-validation: tensor_parallel 4 not in [1, 8, 16]",
+        "h100-validation: GPU NVIDIA H200 (sm_90) is not H100 sm_90, tensor_parallel 4 not in [1, 8, 16]",
     )
 
 
