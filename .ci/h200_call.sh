@@ -100,15 +100,17 @@ record_coverage() {
 }
 export -f record_coverage
 
-# refresh_stale: a step for each stale GPU record (`fast-track stale`), its command rewritten for
-# this machine by .ci/h200_refresh.py; what does not fit in BUDGET is skipped and said; on a host
-# of several GPUs (GPUS, default: nvidia-smi's count) one queue of steps per GPU, side by side;
+# refresh_stale: a step for each stale record of this card's folder (K3_GPU_FOLDER) and each GPU
+# record only another card has, its command rewritten for this machine by .ci/h200_refresh.py;
+# what does not fit in BUDGET is skipped and said; on a host of several GPUs (GPUS, default: nvidia-smi's count) one queue of steps per GPU, side by side;
 # LANES=L (default 1) runs the checks in L queues per GPU, then the timed records alone
 refresh_stale() {
   local gpus
   gpus=${GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}
   (( gpus >= 1 )) || gpus=1
-  python3 .ci/h200_refresh.py --gpus "$gpus" --lanes "${LANES:-1}" "$@" > "$W/refresh.sh" || return
+  local card=()
+  [[ "$K3_GPU_FOLDER" == none ]] || card=(--card "$K3_GPU_FOLDER")
+  python3 .ci/h200_refresh.py --gpus "$gpus" --lanes "${LANES:-1}" "${card[@]}" "$@" > "$W/refresh.sh" || return
   echo "=== [${SECONDS}s] refresh_stale: $(grep -cE '^(EXPECT=[0-9]+ )?step ' "$W/refresh.sh") step(s)"
   # shellcheck disable=SC1091
   source "$W/refresh.sh"

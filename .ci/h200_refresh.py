@@ -1,4 +1,5 @@
-"""The stale evidence records' refresh commands as `step` lines of .ci/h200_call.sh, for the H200.
+"""The stale evidence records' refresh commands as `step` lines of .ci/h200_call.sh, for the lent
+H200 or H100 (`--card`, which refresh_stale passes: that card's stale records and those it lacks).
 
     source .ci/h200_call.sh; refresh_stale
     python3 .ci/h200_refresh.py --evidence "$EVIDENCE" --commands   # a CI runner (gpu-run.yml)
@@ -16,9 +17,9 @@ record was never committed runs too (`unrecorded_steps`). Each command appears o
 (bench_norms writes three records), in the order of KIND_ORDER (kernel tests first, sanitizer
 runs last; the longest first within a kind), with a time limit from its kind and, where the
 record says how long it ran (`wall_s`), the time it is expected to take, so `step` skips what
-cannot finish in the call and a later call picks it up: copy the records of one call into
-evidence/h200/ (uncommitted is enough, the working tree travels) before the next. Records whose
-command it cannot rewrite are echoed as skipped, never run half-right. Records made on a CPU (no
+cannot finish in the call and a later call picks it up: copy the records of one call into the
+card's folder, evidence/h200/ or evidence/h100/ (uncommitted is enough, the working tree
+travels) before the next. Records whose command it cannot rewrite are echoed as skipped, never run half-right. Records made on a CPU (no
 `gpu`) are left to the CPU. On a host of several GPUs (`--gpus N`, which refresh_stale passes)
 the steps run as N queues side by side, one per GPU (`on_gpus`); with `--lanes L` the checks
 (every kind but the timed ones) share each GPU in L lanes, and the timed records run after them,
@@ -40,7 +41,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tools.fast_track.evidence import Record  # noqa: E402
+from tools.fast_track.evidence import EvidenceSet, Record  # noqa: E402
 from tools.fast_track.model import ModelError, discover  # noqa: E402
 from tools.fast_track.stale import stale_records  # noqa: E402
 
@@ -227,13 +228,14 @@ def _records_written(source: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def unrecorded_steps(model_dir: Path, repo: Path) -> list[str]:
-    """A step for each record a GPU test file writes that is not in evidence/h200/ yet: a test
-    written and never run has no record to go stale, so it would not be refreshed otherwise."""
+def unrecorded_steps(model_dir: Path, repo: Path, card: str = "h200", covered: frozenset[str] = frozenset()) -> list[str]:
+    """A step for each record a GPU test file writes that is not in evidence/CARD/ yet (nor
+    `covered`, the record names a step already makes): a test written and never run has no record
+    to go stale, so it would not be refreshed otherwise."""
     lines = []
     for test in sorted((model_dir / "tests").glob("test_*.py")):
         for name in _records_written(test.read_text()):
-            if not (model_dir / "evidence" / "h200" / name).exists():
+            if not (model_dir / "evidence" / card / name).exists() and name not in covered:
                 cmd = shlex.join(_gpu_pytest([test.relative_to(repo).as_posix()]))
                 expect = f"EXPECT={FIRST_RUN_EXPECT[name]} " if name in FIRST_RUN_EXPECT else ""
                 lines.append(f"{expect}step {Path(name).stem} {LIMIT_BY_FILE.get(name, DEFAULT_LIMIT)} {cmd}")
@@ -317,6 +319,25 @@ def gpu_records(stale: list[tuple[Record, str]]) -> list[Record]:
     return [r for r, _ in stale if r.data.get("gpu") not in (None, "", "none")]
 
 
+def card_records(model, card: str) -> list[Record]:
+    """What a refresh on one card (its evidence/CARD/ folder: h200, h100) makes: the card's own
+    stale records, and each GPU record that only other cards have, made again by its command (the
+    H100 envelope began on 2026-12-05 with none of the H200's long runs)."""
+    evidence = EvidenceSet.load(model)
+    gpu_made = [r for r in evidence.records if r.data.get("gpu") not in (None, "", "none")]
+    own = {Path(r.rel).name for r in gpu_made if Path(r.rel).parent.name == card}
+    wanted, borrowed = [], set()
+    for record in gpu_made:
+        name = Path(record.rel).name
+        if Path(record.rel).parent.name == card:
+            if not evidence.freshness(record).fresh:
+                wanted.append(record)
+        elif name not in own and (name, record.position) not in borrowed:
+            wanted.append(record)
+            borrowed.add((name, record.position))
+    return wanted
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="the model folder (default: the only one discovered)")
@@ -325,6 +346,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="checks run side by side on each GPU, the timed records after them alone (default 1)")
     ap.add_argument("--evidence", default=None,
                     help="only the records in this folder (a CI runner's evidence/<kind>/; default: all)")
+    ap.add_argument("--card", default=None,
+                    help="the lent card's evidence folder (h200, h100): its stale records and those it lacks "
+                         "(default: every stale GPU record, and GPU tests unrecorded in evidence/h200)")
     ap.add_argument("--commands", action="store_true",
                     help="plain bash lines, one per command, for a CI runner (gpu-run.yml): no step, budget or lanes")
     args = ap.parse_args(argv)
@@ -339,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(models) != 1:
         sys.exit(f"h200_refresh: {len(models)} model folders here; pass --model DIR")
     (model,) = models
-    records = by_priority(gpu_records(stale_records(model)))
+    records = by_priority(gpu_records(stale_records(model)) if args.card is None else card_records(model, args.card))
     if args.evidence is not None:
         folder = (Path.cwd() / args.evidence).resolve()
         if not folder.is_dir():
@@ -349,7 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.commands:  # a CI runner's GPU-test step has run every GPU test, recorded or not
         print("\n".join(command_lines(records)))
         return 0
-    lines = step_lines(records) + unrecorded_steps(model.path, model.root)
+    covered = frozenset(Path(r.rel).name for r in records)
+    lines = step_lines(records) + unrecorded_steps(model.path, model.root, args.card or "h200", covered)
     timed = frozenset(Path(r.rel).stem for r in records if r.kind in TIMED_KINDS)
     print("\n".join(on_gpus(lines, args.gpus, args.lanes, timed, frozenset(Path(n).stem for n in HOLDS_A_BLOCK))))
     return 0

@@ -223,6 +223,37 @@ def test_a_gpu_test_whose_record_was_never_committed_gets_a_step(tmp_path):
                    "python3 -m pytest -q -p no:cacheprovider -m gpu m/tests/test_tp8.py"]
 
 
+def test_on_one_card_its_stale_records_and_those_only_other_cards_have_are_made(tmp_path):
+    """`--card h100`: the H100's stale records, and the H200's records the H100 has none of (made
+    by their commands); its fresh ones, and what the H200 alone has stale, are not its business."""
+    from tools.fast_track.evidence import source_hash
+    from tools.fast_track.model import ModelFolder
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "k.py").write_text("x = 1\n")
+    fresh = source_hash(tmp_path, ["m/k.py"])
+
+    def put(card: str, name: str, digest: str, gpu: str | None = None) -> None:
+        folder = tmp_path / "m" / "evidence" / card
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{name}.json").write_text(json.dumps({
+            "kind": "kernel-test", "command": f"pytest -m gpu m/tests/test_{name}.py",
+            "gpu": gpu if gpu is not None else f"NVIDIA {card.upper()}", "sources": ["m/k.py"],
+            "source_hash": digest, "source_hashes": {}}))
+
+    put("h200", "a", fresh)
+    put("h200", "b", "0" * 64)  # stale, and the H100 has no b
+    put("h200", "c", fresh)
+    put("h100", "a", "0" * 64)  # stale on the H100
+    put("h100", "c", fresh)
+    put("cpu", "d", "0" * 64, gpu="none")  # a CPU's record is the CPU's
+    model = ModelFolder(tmp_path, "m")
+    assert sorted(r.rel for r in refresh.card_records(model, "h100")) == ["m/evidence/h100/a.json", "m/evidence/h200/b.json"]
+    assert [r.rel for r in refresh.card_records(model, "h200")] == ["m/evidence/h200/b.json"]
+    assert sorted(r.rel for r in refresh.card_records(model, "b200")) == [  # a new card: all it lacks
+        "m/evidence/h100/a.json", "m/evidence/h100/c.json", "m/evidence/h200/b.json"]
+
+
 def _run_script(script: list[str], tmp_path, timeout: float | None = None) -> str:
     """The script with a `step` that only says where it ran."""
     return subprocess.run(
