@@ -102,8 +102,9 @@ export -f record_coverage
 
 # refresh_stale: a step for each stale record of this card's folder (K3_GPU_FOLDER) and each GPU
 # record only another card has, its command rewritten for this machine by .ci/h200_refresh.py;
-# what does not fit in BUDGET is skipped and said; on a host of several GPUs (GPUS, default: nvidia-smi's count) one queue of steps per GPU, side by side;
-# LANES=L (default 1) runs the checks in L queues per GPU, then the timed records alone
+# what does not fit in BUDGET is skipped and said; on a host of several GPUs (GPUS, default:
+# nvidia-smi's count) one queue of steps per GPU, side by side; LANES=L (default 1) runs the
+# checks in L queues per GPU, then the timed records alone
 refresh_stale() {
   local gpus
   gpus=${GPUS:-$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')}

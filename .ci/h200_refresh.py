@@ -19,8 +19,8 @@ runs last; the longest first within a kind), with a time limit from its kind and
 record says how long it ran (`wall_s`), the time it is expected to take, so `step` skips what
 cannot finish in the call and a later call picks it up: copy the records of one call into the
 card's folder, evidence/h200/ or evidence/h100/ (uncommitted is enough, the working tree
-travels) before the next. Records whose command it cannot rewrite are echoed as skipped, never run half-right. Records made on a CPU (no
-`gpu`) are left to the CPU. On a host of several GPUs (`--gpus N`, which refresh_stale passes)
+travels) before the next. Records whose command it cannot rewrite are echoed as skipped, never
+run half-right. Records made on a CPU (no `gpu`) are left to the CPU. On a host of several GPUs (`--gpus N`, which refresh_stale passes)
 the steps run as N queues side by side, one per GPU (`on_gpus`); with `--lanes L` the checks
 (every kind but the timed ones) share each GPU in L lanes, and the timed records run after them,
 alone on their GPU. On 2026-12-04 three lanes ran five checks whose last runs took 801 s in one
@@ -42,7 +42,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tools.fast_track.evidence import EvidenceSet, Record  # noqa: E402
-from tools.fast_track.model import ModelError, discover  # noqa: E402
+from tools.fast_track.model import ModelError, ModelFolder, discover  # noqa: E402
 from tools.fast_track.stale import stale_records  # noqa: E402
 
 # seconds; measured on the H200 (2026-12-03) and given headroom: eval 188-205 s, decode records
@@ -314,17 +314,21 @@ def on_gpus(lines: list[str], gpus: int, lanes: int = 1, timed: frozenset[str] =
     return [*out, 'for f in "$W"/gpu*.out; do echo "--- ${f##*/}"; cat "$f"; done']
 
 
+def _made_on_gpu(record: Record) -> bool:
+    return record.data.get("gpu") not in (None, "", "none")
+
+
 def gpu_records(stale: list[tuple[Record, str]]) -> list[Record]:
     """The stale records made on a GPU; those made on a CPU (evals on the reference ops) are refreshed there."""
-    return [r for r, _ in stale if r.data.get("gpu") not in (None, "", "none")]
+    return [r for r, _ in stale if _made_on_gpu(r)]
 
 
-def card_records(model, card: str) -> list[Record]:
+def card_records(model: ModelFolder, card: str) -> list[Record]:
     """What a refresh on one card (its evidence/CARD/ folder: h200, h100) makes: the card's own
     stale records, and each GPU record that only other cards have, made again by its command (the
     H100 envelope began on 2026-12-05 with none of the H200's long runs)."""
     evidence = EvidenceSet.load(model)
-    gpu_made = [r for r in evidence.records if r.data.get("gpu") not in (None, "", "none")]
+    gpu_made = [r for r in evidence.records if _made_on_gpu(r)]
     own = {Path(r.rel).name for r in gpu_made if Path(r.rel).parent.name == card}
     wanted, borrowed = [], set()
     for record in gpu_made:
