@@ -20,10 +20,10 @@ record says how long it ran (`wall_s`), the time it is expected to take, so `ste
 cannot finish in the call and a later call picks it up: copy the records of one call into the
 card's folder, evidence/h200/ or evidence/h100/ (uncommitted is enough, the working tree
 travels) before the next. Records whose command it cannot rewrite are echoed as skipped, never
-run half-right. Records made on a CPU (no `gpu`) are left to the CPU. On a host of several GPUs (`--gpus N`, which refresh_stale passes)
-the steps run as N queues side by side, one per GPU (`on_gpus`); with `--lanes L` the checks
-(every kind but the timed ones) share each GPU in L lanes, and the timed records run after them,
-alone on their GPU. On 2026-12-04 three lanes ran five checks whose last runs took 801 s in one
+run half-right. Records made on a CPU (no `gpu`) are left to the CPU. On a host of several GPUs
+(`--gpus N`, which refresh_stale passes) the steps run as N queues side by side, one per GPU
+(`on_gpus`); with `--lanes L` the checks (every kind but the timed ones) share each GPU in L
+lanes, and the timed records run after them, alone on their GPU. On 2026-12-04 three lanes ran five checks whose last runs took 801 s in one
 580 s call (the depth test 334 -> 472 s, an eval 187 -> 310 s: the lanes share the host's cores
 and the GPU), so a record's `wall_s` from a lane overstates what it takes alone.
 """
@@ -228,7 +228,8 @@ def _records_written(source: str) -> list[str]:
     return list(dict.fromkeys(names))
 
 
-def unrecorded_steps(model_dir: Path, repo: Path, card: str = "h200", covered: frozenset[str] = frozenset()) -> list[str]:
+def unrecorded_steps(model_dir: Path, repo: Path, card: str = "h200",
+                     covered: frozenset[str] = frozenset()) -> list[str]:
     """A step for each record a GPU test file writes that is not in evidence/CARD/ yet (nor
     `covered`, the record names a step already makes): a test written and never run has no record
     to go stale, so it would not be refreshed otherwise."""
