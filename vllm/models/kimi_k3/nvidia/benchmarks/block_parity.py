@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ..latency_specialized.config import preset
+from ..latency_specialized.config import K3TextConfig, preset
 from ..latency_specialized.executor import SpecializedDecode
 from ..latency_specialized.weights import ShardRandomSource, load_rank
 from ..reference.model import ReferenceModel
@@ -62,10 +62,34 @@ PARITY_MIN_TOKENS = 64
 PARITY_OP_REL = 5e-3
 
 
+class BlockDoesNotFit(RuntimeError):
+    """The block's routed experts alone exceed the GPU's free memory: said before any is loaded."""
+
+
+def routed_expert_bytes(cfg: K3TextConfig, tp: int) -> int:
+    """The bf16 bytes of rank 0's routed experts (gate, up and down of every expert of every MoE
+    layer, the intermediate padded as loaded): the bulk of a block's weights."""
+    s = cfg.shard(tp, 0)
+    moe_layers = sum(cfg.mlp_kind(i) == "moe" for i in range(cfg.num_hidden_layers))
+    return moe_layers * cfg.num_experts * 3 * s.moe_inter * cfg.routed_expert_hidden_size * 2
+
+
+def check_fits(cfg: K3TextConfig, tp: int, free_bytes: int, gpu: str) -> None:
+    """Raise BlockDoesNotFit, naming the sizes and the way out, where the experts cannot fit: the
+    H100's 80 GB cannot hold TP8's 12-layer block (about 81 GB of experts), which otherwise ran
+    out of memory deep inside the weight loader (2026-12-05)."""
+    need = routed_expert_bytes(cfg, tp)
+    if need > free_bytes:
+        raise BlockDoesNotFit(f"{cfg.name} at TP{tp}: its routed experts alone take {need / 1e9:.1f} GB and "
+                              f"this GPU ({gpu}) has {free_bytes / 1e9:.1f} GB free; run it on a card with "
+                              "more memory (an H200 has 141 GB), or at a TP size whose shard fits")
+
+
 def k3_block(tp: int, seed: int = 0, device: str = "cuda", layers: int = BLOCK_LAYERS,
              experts: int | None = None, dense: bool = False) -> ReferenceModel:
     """Rank 0 of a TP shard of K3's first `layers` layers (K3's pattern), random weights on the GPU.
-    `dense`: every layer gets K3's dense SiTU MLP instead of the latent MoE (see PARITY_*)."""
+    `dense`: every layer gets K3's dense SiTU MLP instead of the latent MoE (see PARITY_*).
+    Raises BlockDoesNotFit, before loading, where the experts alone exceed the free memory."""
     k3 = preset("k3")
     cfg = k3.replace(num_hidden_layers=layers, name=f"k3-{layers}L{'-dense' if dense else ''}",
                      first_k_dense_replace=layers if dense else k3.first_k_dense_replace,
@@ -73,6 +97,8 @@ def k3_block(tp: int, seed: int = 0, device: str = "cuda", layers: int = BLOCK_L
                      full_attn_layers=tuple(i for i in k3.full_attn_layers if i <= layers),
                      **({"num_experts": experts} if experts else {}))
     cfg.validate()
+    if torch.device(device).type == "cuda":
+        check_fits(cfg, tp, torch.cuda.mem_get_info(device)[0], torch.cuda.get_device_name(device))
     w = load_rank(ShardRandomSource(cfg, seed=seed, device=device), cfg, tp=tp, rank=0, device=device)
     return ReferenceModel(cfg, w, tp=tp, rank=0)
 

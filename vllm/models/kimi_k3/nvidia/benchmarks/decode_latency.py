@@ -51,8 +51,8 @@ from ..reference.params import KDAWeights, MoEWeights
 from .bench_moe import median_us
 from .bench_skinny_gemm import copy_bandwidth_TBps, require_cuda
 from .compiled_standard import CompiledStandard, compile_stats
-from .block_parity import (BLOCK_LAYERS, FULL_LAYERS, PARITY_MIN_TOKENS, PARITY_SOURCES, fill_state, k3_block,
-                           parity_lockstep, parity_status, parity_steps_at, segments)
+from .block_parity import (BLOCK_LAYERS, FULL_LAYERS, PARITY_MIN_TOKENS, PARITY_SOURCES, BlockDoesNotFit,
+                           fill_state, k3_block, parity_lockstep, parity_status, parity_steps_at, segments)
 
 # everything a step's figures depend on: what block parity depends on, and the timing
 SOURCES = (*PARITY_SOURCES, *(f"vllm/models/kimi_k3/nvidia/benchmarks/{f}.py" for f in (
@@ -263,9 +263,19 @@ def main(argv: list[str] | None = None) -> int:
     copy_bw = copy_bandwidth_TBps()
     gen = torch.Generator(device="cuda").manual_seed(0)
     results: list[dict] = []
+    not_run: list[str] = []  # what this card could not hold, said here and in the record
+
+    def skip(why: str) -> None:
+        not_run.append(why)
+        print(f"[decode_latency] skipping {why}", file=sys.stderr)
+
     for tp in args.tp:
         t0 = time.perf_counter()
-        model = k3_block(tp)
+        try:
+            model = k3_block(tp)
+        except BlockDoesNotFit as e:
+            skip(f"TP{tp}: {e}")
+            continue
         print(f"[decode_latency] TP{tp} block built in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         n_mla = len(model.cfg.full_attn_layers)
         for ctx in args.contexts:
@@ -275,21 +285,23 @@ def main(argv: list[str] | None = None) -> int:
             budget = cache_budget(torch.cuda.mem_get_info()[0])
             keys, skipped = points_that_fit(args.rows, args.q, ctx, states, n_mla, budget)
             if skipped:
-                print(f"[decode_latency] ctx {ctx}: skipping (rows, q) {skipped}: their caches exceed "
-                      f"{budget / 1e9:.1f} GB (min of {CACHE_BUDGET / 1e9:.0f} GB and {CACHE_FREE_SHARE} of "
-                      "the free memory)", file=sys.stderr)
+                skip(f"TP{tp} ctx {ctx} (rows, q) {skipped}: their caches exceed {budget / 1e9:.1f} GB (the "
+                     f"least of {CACHE_BUDGET / 1e9:.0f} GB and {CACHE_FREE_SHARE} of the free memory)")
             if not keys:
                 continue
             results += run_context(model, tp, keys, ctx, args, copy_bw, gen)
         del model
         torch.cuda.empty_cache()
+    if not results:
+        print(f"[decode_latency] nothing measured on this GPU, so no record: {'; '.join(not_run)}", file=sys.stderr)
+        return 2
     targets = targets_of([r for r in results if "time_us" in r])
     cmd = "python -m vllm.models.kimi_k3.nvidia.benchmarks.decode_latency " + " ".join(sys.argv[1:])
     write_record(out / f"{args.name}.json", "decode-bench", "executor", cmd, SOURCES, results, targets,
                  copy_bandwidth_TBps=copy_bw,
                  extra={"scope": "per-rank compute on one GPU, collectives not timed (SingleRank identity); one "
                                  "AttnRes block of 12 layers (K3 pattern, 896 bf16 experts); 93-layer figures are "
-                                 "the 12-layer time x 93/12"})
+                                 "the 12-layer time x 93/12", "not_run": not_run})
     table = markdown(results, targets, copy_bw, torch.cuda.get_device_name())
     (out / f"{args.name}.md").write_text(table)
     print(table)

@@ -174,3 +174,51 @@ def test_a_point_after_the_yardstick_was_dropped_is_unjudged_not_passed(monkeypa
     assert never["status"] == "pass" and "unjudged" not in never
     table = decode_latency.markdown([first, never], [], 4.0, "test GPU")
     assert table.count("unjudged (no yardstick)") == 1 and table.rstrip().count("| pass |") == 1
+
+
+def test_a_block_that_cannot_fit_is_refused_before_loading_with_its_sizes():
+    """TP8's 12-layer block holds about 81 GB of routed experts: on the H100 (80 GB) it ran out of
+    memory deep in the weight loader (2026-12-05); now it is refused first, by name."""
+    from vllm.models.kimi_k3.nvidia.benchmarks.block_parity import (BlockDoesNotFit, check_fits,
+                                                                    routed_expert_bytes)
+    from vllm.models.kimi_k3.nvidia.latency_specialized.config import preset
+
+    k3 = preset("k3")
+    block = k3.replace(num_hidden_layers=12, name="k3-12L", kda_layers=tuple(i for i in k3.kda_layers if i <= 12),
+                       full_attn_layers=tuple(i for i in k3.full_attn_layers if i <= 12))
+    # 11 MoE layers x 896 experts x (gate, up, down) x the padded intermediate x 3584 x 2 bytes
+    assert routed_expert_bytes(block, 8) == 11 * 896 * 3 * 384 * 3584 * 2
+    assert routed_expert_bytes(block, 16) == 11 * 896 * 3 * 256 * 3584 * 2  # 192 rows padded to 256
+    check_fits(block, 16, 78e9, "NVIDIA H100 80GB HBM3")  # about 54 GB: fits
+    with pytest.raises(BlockDoesNotFit, match=r"k3-12L at TP8: its routed experts alone take 81\.4 GB and this "
+                                              r"GPU \(NVIDIA H100 80GB HBM3\) has 78\.0 GB free"):
+        check_fits(block, 8, 78e9, "NVIDIA H100 80GB HBM3")
+
+
+def test_a_test_whose_block_cannot_fit_is_skipped_with_the_reason(tmp_path):
+    """The hooks of _block_fit.py, in a conftest of their own: a block refused in a fixture or in a
+    test's body is a skip that says why; any other error still fails."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    (tmp_path / "conftest.py").write_text(
+        "from vllm.models.kimi_k3.nvidia.tests._block_fit import pytest_runtest_call, pytest_runtest_setup\n")
+    (tmp_path / "test_fit.py").write_text(
+        "import pytest\n"
+        "from vllm.models.kimi_k3.nvidia.benchmarks.block_parity import BlockDoesNotFit\n"
+        "@pytest.fixture(scope='module')\n"
+        "def block():\n"
+        "    raise BlockDoesNotFit('k3-12L at TP8: too big')\n"
+        "def test_in_fixture(block):\n"
+        "    pass\n"
+        "def test_in_body():\n"
+        "    raise BlockDoesNotFit('k3-12L at TP8: too big')\n"
+        "def test_other_error():\n"
+        "    raise MemoryError('not a block')\n")
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", str(tmp_path)],
+                         capture_output=True, text=True, cwd=tmp_path,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[5])})
+    assert "1 failed, 2 skipped" in run.stdout, run.stdout
+    assert "SKIPPED [2]" in run.stdout and "this GPU cannot hold the block: k3-12L at TP8: too big" in run.stdout
