@@ -11,6 +11,7 @@ timing code.
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import time
@@ -63,26 +64,52 @@ PARITY_OP_REL = 5e-3
 
 
 class BlockDoesNotFit(RuntimeError):
-    """The block's routed experts alone exceed the GPU's free memory: said before any is loaded."""
+    """The block's weights cannot fit the GPU's free memory: said before any is loaded."""
 
 
-def routed_expert_bytes(cfg: K3TextConfig, tp: int) -> int:
-    """The bf16 bytes of rank 0's routed experts (gate, up and down of every expert of every MoE
-    layer, the intermediate padded as loaded): the bulk of a block's weights."""
-    s = cfg.shard(tp, 0)
-    moe_layers = sum(cfg.mlp_kind(i) == "moe" for i in range(cfg.num_hidden_layers))
-    return moe_layers * cfg.num_experts * 3 * s.moe_inter * cfg.routed_expert_hidden_size * 2
+class _ShapesOnly(ShardRandomSource):
+    """The shard's tensors on the meta device: their sizes, with no memory and no random draws."""
+
+    def __init__(self, cfg: K3TextConfig):
+        super().__init__(cfg, device="meta")
+
+    def get(self, name, rows=None, cols=None) -> torch.Tensor:
+        shape, dtype = self._spec(name)
+        out = list(shape)
+        if rows:
+            out[0] = rows[1] - rows[0]
+        if cols:
+            out[1] = cols[1] - cols[0]
+        return torch.empty(out, dtype=dtype, device="meta")
+
+
+def rank_bytes(cfg: K3TextConfig, tp: int) -> tuple[int, int]:
+    """(every weight byte of rank 0, the routed experts of its largest MoE layer), from the
+    shapes `load_rank` builds: the loader stacks one layer's experts from a list of them, so it
+    briefly holds that layer twice."""
+    w = load_rank(_ShapesOnly(cfg), cfg, tp=tp, rank=0, device="meta")
+    total = sum(t.nbytes for t in (w.embed, w.lm_head, w.final_norm, w.out_res_norm, w.out_res_proj))
+    largest = 0
+    for lw in w.layers:
+        total += sum(t.nbytes for part in (lw.attn_res, lw.attn, lw.mlp) for t in part.tensors().values())
+        experts = [getattr(lw.mlp, n) for n in ("w13", "w2") if hasattr(lw.mlp, n)]
+        largest = max(largest, sum(t.nbytes for t in experts))
+    return total, largest
+
+
+LOAD_MARGIN = 2e9  # bytes beside the weights: the CUDA context's own use, the allocator's rounding
 
 
 def check_fits(cfg: K3TextConfig, tp: int, free_bytes: int, gpu: str) -> None:
-    """Raise BlockDoesNotFit, naming the sizes and the way out, where the experts cannot fit: the
-    H100's 80 GB cannot hold TP8's 12-layer block (about 81 GB of experts), which otherwise ran
-    out of memory deep inside the weight loader (2026-12-05)."""
-    need = routed_expert_bytes(cfg, tp)
+    """Raise BlockDoesNotFit, naming the sizes and the way out, where the weights cannot load: the
+    H100 (85.0e9 bytes) cannot hold TP8's 12-layer block (85.1e9, 81.4e9 of it routed experts),
+    which otherwise ran out of memory deep inside the weight loader (2026-12-05)."""
+    total, largest = rank_bytes(cfg, tp)
+    need = total + largest + LOAD_MARGIN
     if need > free_bytes:
-        raise BlockDoesNotFit(f"{cfg.name} at TP{tp}: its routed experts alone take {need / 1e9:.1f} GB and "
-                              f"this GPU ({gpu}) has {free_bytes / 1e9:.1f} GB free; run it on a card with "
-                              "more memory (an H200 has 141 GB), or at a TP size whose shard fits")
+        raise BlockDoesNotFit(f"{cfg.name} at TP{tp}: loading its {total / 1e9:.1f} GB of weights needs "
+                              f"{need / 1e9:.1f} GB and this GPU ({gpu}) has {free_bytes / 1e9:.1f} GB free; "
+                              "run it on a card with more memory (an H200), or at a TP size whose shard fits")
 
 
 def k3_block(tp: int, seed: int = 0, device: str = "cuda", layers: int = BLOCK_LAYERS,
@@ -98,6 +125,8 @@ def k3_block(tp: int, seed: int = 0, device: str = "cuda", layers: int = BLOCK_L
                      **({"num_experts": experts} if experts else {}))
     cfg.validate()
     if torch.device(device).type == "cuda":
+        gc.collect()  # a previous block's executors and graphs, if its caller dropped them
+        torch.cuda.empty_cache()
         check_fits(cfg, tp, torch.cuda.mem_get_info(device)[0], torch.cuda.get_device_name(device))
     w = load_rank(ShardRandomSource(cfg, seed=seed, device=device), cfg, tp=tp, rank=0, device=device)
     return ReferenceModel(cfg, w, tp=tp, rank=0)
