@@ -21,7 +21,7 @@ import torch
 
 from ..latency_specialized.config import K3TextConfig, preset
 from ..latency_specialized.executor import SpecializedDecode
-from ..latency_specialized.weights import ShardRandomSource, load_rank
+from ..latency_specialized.weights import RandomSource, ShardRandomSource, _slice, load_rank
 from ..reference.model import ReferenceModel
 
 BLOCK_LAYERS = 12
@@ -67,20 +67,12 @@ class BlockDoesNotFit(RuntimeError):
     """The block's weights cannot fit the GPU's free memory: said before any is loaded."""
 
 
-class _ShapesOnly(ShardRandomSource):
-    """The shard's tensors on the meta device: their sizes, with no memory and no random draws."""
-
-    def __init__(self, cfg: K3TextConfig):
-        super().__init__(cfg, device="meta")
+class _ShapesOnly(RandomSource):
+    """The checkpoint's tensors on the meta device: a rank's sizes, with no memory and no draws."""
 
     def get(self, name, rows=None, cols=None) -> torch.Tensor:
         shape, dtype = self._spec(name)
-        out = list(shape)
-        if rows:
-            out[0] = rows[1] - rows[0]
-        if cols:
-            out[1] = cols[1] - cols[0]
-        return torch.empty(out, dtype=dtype, device="meta")
+        return _slice(torch.empty(shape, dtype=dtype, device="meta"), rows, cols)
 
 
 def rank_bytes(cfg: K3TextConfig, tp: int) -> tuple[int, int]:
