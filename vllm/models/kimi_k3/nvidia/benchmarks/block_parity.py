@@ -11,6 +11,7 @@ timing code.
 
 from __future__ import annotations
 
+import gc
 import math
 import statistics
 import time
@@ -18,9 +19,9 @@ from pathlib import Path
 
 import torch
 
-from ..latency_specialized.config import preset
+from ..latency_specialized.config import K3TextConfig, preset
 from ..latency_specialized.executor import SpecializedDecode
-from ..latency_specialized.weights import ShardRandomSource, load_rank
+from ..latency_specialized.weights import RandomSource, ShardRandomSource, _slice, load_rank
 from ..reference.model import ReferenceModel
 
 BLOCK_LAYERS = 12
@@ -62,10 +63,52 @@ PARITY_MIN_TOKENS = 64
 PARITY_OP_REL = 5e-3
 
 
+class BlockDoesNotFit(RuntimeError):
+    """The block's weights cannot fit the GPU's free memory: said before any is loaded."""
+
+
+class _ShapesOnly(RandomSource):
+    """The checkpoint's tensors on the meta device: a rank's sizes, with no memory and no draws."""
+
+    def get(self, name, rows=None, cols=None) -> torch.Tensor:
+        shape, dtype = self._spec(name)
+        return _slice(torch.empty(shape, dtype=dtype, device="meta"), rows, cols)
+
+
+def rank_bytes(cfg: K3TextConfig, tp: int) -> tuple[int, int]:
+    """(every weight byte of rank 0, the routed experts of its largest MoE layer), from the
+    shapes `load_rank` builds: the loader stacks one layer's experts from a list of them, so it
+    briefly holds that layer twice."""
+    w = load_rank(_ShapesOnly(cfg), cfg, tp=tp, rank=0, device="meta")
+    total = sum(t.nbytes for t in (w.embed, w.lm_head, w.final_norm, w.out_res_norm, w.out_res_proj))
+    largest = 0
+    for lw in w.layers:
+        total += sum(t.nbytes for part in (lw.attn_res, lw.attn, lw.mlp) for t in part.tensors().values())
+        experts = [getattr(lw.mlp, n) for n in ("w13", "w2") if hasattr(lw.mlp, n)]
+        largest = max(largest, sum(t.nbytes for t in experts))
+    return total, largest
+
+
+LOAD_MARGIN = 2e9  # bytes beside the weights: the CUDA context's own use, the allocator's rounding
+
+
+def check_fits(cfg: K3TextConfig, tp: int, free_bytes: int, gpu: str) -> None:
+    """Raise BlockDoesNotFit, naming the sizes and the way out, where the weights cannot load: the
+    H100 (85.0e9 bytes) cannot hold TP8's 12-layer block (85.1e9, 81.4e9 of it routed experts),
+    which otherwise ran out of memory deep inside the weight loader (2026-12-05)."""
+    total, largest = rank_bytes(cfg, tp)
+    need = total + largest + LOAD_MARGIN
+    if need > free_bytes:
+        raise BlockDoesNotFit(f"{cfg.name} at TP{tp}: loading its {total / 1e9:.1f} GB of weights needs "
+                              f"{need / 1e9:.1f} GB and this GPU ({gpu}) has {free_bytes / 1e9:.1f} GB free; "
+                              "run it on a card with more memory (an H200), or at a TP size whose shard fits")
+
+
 def k3_block(tp: int, seed: int = 0, device: str = "cuda", layers: int = BLOCK_LAYERS,
              experts: int | None = None, dense: bool = False) -> ReferenceModel:
     """Rank 0 of a TP shard of K3's first `layers` layers (K3's pattern), random weights on the GPU.
-    `dense`: every layer gets K3's dense SiTU MLP instead of the latent MoE (see PARITY_*)."""
+    `dense`: every layer gets K3's dense SiTU MLP instead of the latent MoE (see PARITY_*).
+    Raises BlockDoesNotFit, before loading, where the experts alone exceed the free memory."""
     k3 = preset("k3")
     cfg = k3.replace(num_hidden_layers=layers, name=f"k3-{layers}L{'-dense' if dense else ''}",
                      first_k_dense_replace=layers if dense else k3.first_k_dense_replace,
@@ -73,6 +116,10 @@ def k3_block(tp: int, seed: int = 0, device: str = "cuda", layers: int = BLOCK_L
                      full_attn_layers=tuple(i for i in k3.full_attn_layers if i <= layers),
                      **({"num_experts": experts} if experts else {}))
     cfg.validate()
+    if torch.device(device).type == "cuda":
+        gc.collect()  # a previous block's executors and graphs, if its caller dropped them
+        torch.cuda.empty_cache()
+        check_fits(cfg, tp, torch.cuda.mem_get_info(device)[0], torch.cuda.get_device_name(device))
     w = load_rank(ShardRandomSource(cfg, seed=seed, device=device), cfg, tp=tp, rank=0, device=device)
     return ReferenceModel(cfg, w, tp=tp, rank=0)
 

@@ -34,6 +34,7 @@ Verify steps (q > 1) use synthetic acceptance: every draft is kept.
 from __future__ import annotations
 
 import argparse
+import gc
 import statistics
 import sys
 import time
@@ -51,15 +52,22 @@ from ..reference.params import KDAWeights, MoEWeights
 from .bench_moe import median_us
 from .bench_skinny_gemm import copy_bandwidth_TBps, require_cuda
 from .compiled_standard import CompiledStandard, compile_stats
-from .block_parity import (BLOCK_LAYERS, FULL_LAYERS, PARITY_MIN_TOKENS, PARITY_SOURCES, fill_state, k3_block,
-                           parity_lockstep, parity_status, parity_steps_at, segments)
+from .block_parity import (BLOCK_LAYERS, FULL_LAYERS, PARITY_MIN_TOKENS, PARITY_SOURCES, BlockDoesNotFit,
+                           fill_state, k3_block, parity_lockstep, parity_status, parity_steps_at, segments)
 
 # everything a step's figures depend on: what block parity depends on, and the timing
 SOURCES = (*PARITY_SOURCES, *(f"vllm/models/kimi_k3/nvidia/benchmarks/{f}.py" for f in (
     "decode_latency", "bench_moe", "bench_skinny_gemm", "compiled_standard")))
 # parity steps beyond the first that time the eager standard step in place of a timing run of its own
 EAGER_TIMED_STEPS_MIN = 5
-CACHE_BUDGET = 40e9  # bytes of MLA cache the states of one context may hold together
+CACHE_BUDGET = 40e9  # the most bytes of MLA cache the states of one context may hold together
+# and at most this share of the memory free beside the block: the executors' graphs and buffers
+# and the eager paths' transients need the rest. On 2026-12-05 the H100 (85.0e9 bytes, about 28e9
+# free beside the TP16 block's 56.8e9) ran out at 128K with 8 requests, 14.5e9 of caches (0.52 of
+# free); at 0.45 that point is skipped there, and the H200's TP16 block (about 92e9 free) keeps the
+# 40 GB cap every recorded H200 point ran under
+CACHE_FREE_SHARE = 0.45
+YARDSTICK = "standard_rounding_noise"
 
 
 def _rollback(state, slots: list[int], q: int) -> None:
@@ -104,9 +112,11 @@ def floor_bytes(model: ReferenceModel, ex: SpecializedDecode, key: tuple[int, in
 
 
 def run_point(model, executors: dict, std_state, tp: int, rows: int, q: int, context: int, reps: int,
-              parity_steps: int, copy_bw: float, gen: torch.Generator, untimed: dict | None = None) -> list[dict]:
+              parity_steps: int, copy_bw: float, gen: torch.Generator, untimed: dict | None = None,
+              lost: dict[str, str] | None = None) -> list[dict]:
     """One (rows, q, context) point: parity of every executor (and of the `untimed` ones, e.g. the
-    yardstick), then the timed replays of `executors` and the eager standard step."""
+    yardstick), then the timed replays of `executors` and the eager standard step. An executor
+    dropped here is added to `lost` (why, and where), so later points of the context know it is gone."""
     requests = rows // q
     out = []
     spec = executors["specialized"]
@@ -121,14 +131,16 @@ def run_point(model, executors: dict, std_state, tp: int, rows: int, q: int, con
     eager_ms: list[float] = []
     par, dropped = parity_lockstep(model, every, std_state, slots, q, parity_steps_at(rows, parity_steps), gen,
                                    required="specialized", eager_ms=eager_ms)
+    lost = {} if lost is None else lost
     for name, why in dropped.items():
         print(f"[decode_latency] {name} dropped: {why}", file=sys.stderr)
         executors.pop(name, None)
         untimed.pop(name, None)
+        lost[name] = f"{why} (dropped at rows {rows} q {q} ctx {context})"
     for ex in executors.values():  # parity advanced every state; restart the timed ones from the same one
         _rollback_to(ex.state, slots, context)
     _rollback_to(std_state, slots, context)
-    ids = torch.randint(0, model.w.lm_head.shape[0], (requests * q,), generator=gen, device="cuda")
+    ids = torch.randint(0, model.w.lm_head.shape[0], (requests * q,), generator=gen, device=model.w.embed.device)
     times = {}
     for name, ex in executors.items():  # one call fills the bucket's metadata; then time the replay alone
         ex(ids, segments(ex.state, slots, q), ex.state)
@@ -156,6 +168,9 @@ def run_point(model, executors: dict, std_state, tp: int, rows: int, q: int, con
            "tokens_per_s_per_gpu": rows / (t_spec * 1e-3 * FULL_LAYERS / BLOCK_LAYERS),
            "step_93_layers_est_us": t_spec * 1e3 * FULL_LAYERS / BLOCK_LAYERS, "parity": par}
     res["status"] = parity_status(par)
+    if YARDSTICK in lost:  # the rule's own yardstick is gone: no verdict, so no pass
+        res["unjudged"] = f"the rounding-noise yardstick is missing: {lost[YARDSTICK]}"
+        res["status"] = "fail"
     out.append(res)
     return out
 
@@ -206,6 +221,20 @@ def targets_of(results: list[dict]) -> list[dict]:
     return out
 
 
+def cache_budget(free_bytes: int) -> float:
+    """The bytes of MLA cache one context's states may hold on this card (CACHE_FREE_SHARE)."""
+    return min(CACHE_BUDGET, CACHE_FREE_SHARE * free_bytes)
+
+
+def points_that_fit(rows: list[int], qs: list[int], ctx: int, states: int, n_mla: int,
+                    budget: float) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """The (rows, q) points whose `states` MLA caches of `ctx` tokens fit `budget` bytes, and
+    those that do not; a point needs q to divide rows (rows // q requests of q tokens)."""
+    every = sorted({(r, q) for r in rows for q in qs if r % q == 0})
+    fits = [(r, q) for r, q in every if states * (r // q) * (ctx + 8) * 576 * 2 * n_mla <= budget]
+    return fits, [p for p in every if p not in fits]
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--out", required=True, help="folder for NAME.json and NAME.md")
@@ -236,34 +265,48 @@ def main(argv: list[str] | None = None) -> int:
     copy_bw = copy_bandwidth_TBps()
     gen = torch.Generator(device="cuda").manual_seed(0)
     results: list[dict] = []
+    not_run: list[str] = []  # what this card could not hold, said here and in the record
+
+    def skip(why: str) -> None:
+        not_run.append(why)
+        print(f"[decode_latency] skipping {why}", file=sys.stderr)
+
     for tp in args.tp:
         t0 = time.perf_counter()
-        model = k3_block(tp)
+        try:
+            model = k3_block(tp)
+        except BlockDoesNotFit as e:
+            skip(f"TP{tp}: {e}")
+            continue
         print(f"[decode_latency] TP{tp} block built in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
         n_mla = len(model.cfg.full_attn_layers)
         for ctx in args.contexts:
             # four states (specialized, graphed standard, yardstick, eager standard) hold the MLA cache
             # each, one more for each extra executor (one stream, compiled standard)
             states = 4 + args.one_stream + args.compile
-            keys = sorted({(r, q) for r in args.rows for q in args.q if r % q == 0
-                           and states * (r // q) * (ctx + 8) * 576 * 2 * n_mla <= CACHE_BUDGET})
-            skipped = sorted({(r, q) for r in args.rows for q in args.q if r % q == 0} - set(keys))
+            gc.collect()  # the previous context's executors, states and graphs count as used until freed
+            torch.cuda.empty_cache()
+            budget = cache_budget(torch.cuda.mem_get_info()[0])
+            keys, skipped = points_that_fit(args.rows, args.q, ctx, states, n_mla, budget)
             if skipped:
-                print(f"[decode_latency] ctx {ctx}: skipping (rows, q) {skipped}: their caches exceed "
-                      f"{CACHE_BUDGET / 1e9:.0f} GB", file=sys.stderr)
+                skip(f"TP{tp} ctx {ctx} (rows, q) {skipped}: their caches exceed {budget / 1e9:.1f} GB (the "
+                     f"least of {CACHE_BUDGET / 1e9:.0f} GB and {CACHE_FREE_SHARE} of the free memory)")
             if not keys:
                 continue
             results += run_context(model, tp, keys, ctx, args, copy_bw, gen)
         del model
         torch.cuda.empty_cache()
+    if not results:
+        print(f"[decode_latency] nothing measured on this GPU, so no record: {'; '.join(not_run)}", file=sys.stderr)
+        return 2
     targets = targets_of([r for r in results if "time_us" in r])
     cmd = "python -m vllm.models.kimi_k3.nvidia.benchmarks.decode_latency " + " ".join(sys.argv[1:])
     write_record(out / f"{args.name}.json", "decode-bench", "executor", cmd, SOURCES, results, targets,
                  copy_bandwidth_TBps=copy_bw,
                  extra={"scope": "per-rank compute on one GPU, collectives not timed (SingleRank identity); one "
                                  "AttnRes block of 12 layers (K3 pattern, 896 bf16 experts); 93-layer figures are "
-                                 "the 12-layer time x 93/12"})
-    table = markdown(results, targets, copy_bw, torch.cuda.get_device_name())
+                                 "the 12-layer time x 93/12", "not_run": not_run})
+    table = markdown(results, targets, copy_bw, torch.cuda.get_device_name(), not_run)
     (out / f"{args.name}.md").write_text(table)
     print(table)
     return 0 if all(r["status"] == "pass" for r in results) else 1
@@ -300,13 +343,13 @@ def run_context(model: ReferenceModel, tp: int, keys: list[tuple[int, int]], ctx
             notes.append(f"compiled standard baseline unavailable: {type(e).__name__}: {e}")
             print(f"[decode_latency] {notes[-1]}", file=sys.stderr)
     # the parity yardstick runs eagerly (its noise is drawn per call) and is not timed
-    untimed = {"standard_rounding_noise": SpecializedDecode(model, max_requests=max_req, max_len=max_len,
+    untimed = {YARDSTICK: SpecializedDecode(model, max_requests=max_req, max_len=max_len,
                                                             buckets=keys, ops=RoundingNoiseOps(), graphs=False)}
     std_state = model.new_state(max_requests=max_req, max_len=max_len, max_q=max_q)
-    results = []
+    results, lost = [], {}
     for rows, q in keys:
         for r in run_point(model, executors, std_state, tp, rows, q, ctx, args.reps, args.parity_steps, copy_bw,
-                           gen, untimed):
+                           gen, untimed, lost):
             results.append(r)
             g = r["baseline_us"].get("standard_graphed")
             one = r["baseline_us"].get("specialized_one_stream")
@@ -328,11 +371,16 @@ def run_context(model: ReferenceModel, tp: int, keys: list[tuple[int, int]], ctx
 
 
 def _yardstick(r: dict) -> str:
-    y = r["parity"].get("standard_rounding_noise")
+    y = r["parity"].get(YARDSTICK)
     return "—" if y is None else f"{y['rel_err_median']:.1e}"
 
 
-def markdown(results: list[dict], targets: list[dict], copy_bw: float, gpu: str) -> str:
+def _verdict(r: dict) -> str:
+    return "unjudged (no yardstick)" if r.get("unjudged") else r["status"]
+
+
+def markdown(results: list[dict], targets: list[dict], copy_bw: float, gpu: str,
+             not_run: list[str] | None = None) -> str:
     lines = [f"Per-rank compute on one {gpu}, collectives not timed; one 12-layer AttnRes block of K3 "
              f"(93-layer = x93/12); copy bandwidth {copy_bw:.2f} TB/s.", "",
              "| TP | rows | q | ctx | specialized µs | graphed std µs | compiled std µs | eager std µs | floor µs | "
@@ -348,7 +396,9 @@ def markdown(results: list[dict], targets: list[dict], copy_bw: float, gpu: str)
                      f"{'—' if g is None else f'{g:.1f}'} | {'—' if c is None else f'{c:.1f}'} | "
                      f"{r['baseline_us']['standard_eager']:.1f} | "
                      f"{r['floor_us']:.1f} | {r['x_floor']:.2f} | {vs_g} | {vs_c} | {r['speedup_vs_eager']:.2f}x | "
-                     f"{r['parity']['specialized']['rel_err_median']:.1e} | {_yardstick(r)} | {r['status']} |")
+                     f"{r['parity']['specialized']['rel_err_median']:.1e} | {_yardstick(r)} | {_verdict(r)} |")
+    if not_run:
+        lines += ["", *(f"Not run on this GPU: {why}" for why in not_run)]
     lines += ["", "| target | wanted | measured | met |", "| --- | --- | --- | --- |"]
     lines += [f"| {t['name']} | {t['target']} | {t['value']} | {'yes' if t['met'] else 'no'} |" for t in targets]
     return "\n".join(lines) + "\n"

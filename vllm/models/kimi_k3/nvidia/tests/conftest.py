@@ -1,4 +1,5 @@
-"""Test markers: `gpu` tests need a CUDA device and skip with a visible reason without one.
+"""Test markers: `gpu` tests need a CUDA device and skip with a visible reason without one; a
+test whose K3 block cannot fit the GPU skips with the sizes (`_block_fit.py`).
 
 Evidence records are written only by whole-file runs: a run that selects part of its files'
 tests ignores K3_EVIDENCE_DIR and says so at its end (`_evidence.partial_selection`)."""
@@ -8,6 +9,7 @@ import os
 import pytest
 import torch
 
+from vllm.models.kimi_k3.nvidia.tests._block_fit import pytest_runtest_call, pytest_runtest_setup  # noqa: F401
 from vllm.models.kimi_k3.nvidia.tests._evidence import partial_selection
 
 _NO_RECORDS = pytest.StashKey[str]()
