@@ -35,7 +35,7 @@ def _run_steps(lines: list[str]) -> list[list[str]]:
     """Source the lines under bash; each `step` call comes back as its argument list."""
     if shutil.which("bash") is None:
         pytest.skip("no bash")
-    script = ("K3_EVIDENCE_DIR=/ev\nstep() { printf '%s\\0' \"$@\"; printf '\\n'; }\n"
+    script = ("K3_EVIDENCE_DIR=/ev K3_GPU_FOLDER=h100\nstep() { printf '%s\\0' \"$@\"; printf '\\n'; }\n"
               "record_coverage() { :; }\n" + "\n".join(lines) + "\n")
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True).stdout
     return [line.rstrip("\0").split("\0") for line in out.splitlines() if line]
@@ -79,7 +79,7 @@ def test_commands_are_rewritten_for_the_device_and_split_as_one_argument_each():
                     "vllm/models/kimi_k3/nvidia/tests/test_moe_kernels.py"]
     assert evals[:4] == ["python3", "-m", "vllm.models.kimi_k3.nvidia.latency_specialized", "eval"]
     assert evals[evals.index("--out") + 1] == "/ev/eval_tiny.json"
-    assert evals[evals.index("--table") + 1] == "/ev/eval_tiny_h200.md"
+    assert evals[evals.index("--table") + 1] == "/ev/eval_tiny_h100.md"  # named for the card it runs on
     assert bench[bench.index("--out") + 1] == "/ev" and bench[0] == "python3"
     assert cov == ["record_coverage", "vllm/models/kimi_k3/nvidia/tests/test_specialized_steps_cuda.py"]
     assert sanitizer[sanitizer.index("--out") + 1] == "/ev/kda_decode_sanitizer.json"
