@@ -366,6 +366,18 @@ def test_the_call_refuses_a_commit_taken_from_an_older_git_in_the_device_copy(tm
     assert "older than its tree" not in passed.stdout and "no .devwheels" in passed.stdout
 
 
+@pytest.mark.parametrize("commit", ["", "none", "HEAD", "ac87a23", "0" * 39 + "g"])
+def test_the_call_refuses_a_commit_that_is_not_a_full_sha(tmp_path, commit):
+    """Every record of the call carries K3_COMMIT: on 2026-12-05 a script that read it from a missing
+    file set "none", which the call took and three records carried."""
+    if shutil.which("bash") is None:
+        pytest.skip("no bash")
+    ran = subprocess.run(["bash", "-c", f"source {ROOT}/.ci/h200_call.sh"], cwd=tmp_path,
+                         env={**os.environ, "K3_COMMIT": commit, "OUT": str(tmp_path)}, capture_output=True, text=True)
+    assert ran.returncode == 2 and "K3_COMMIT" in ran.stdout, ran.stdout
+    assert "records belong" not in ran.stdout  # stopped before anything else
+
+
 def test_the_call_names_the_records_folder_of_its_card_and_stops_on_another(tmp_path):
     """Records go to the folder of the card that ran them: an H200 to evidence/h200/, an H100
     (SCOPE.yaml's h100-validation, lent since 2026-12-05) to evidence/h100/; a card with no
