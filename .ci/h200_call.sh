@@ -15,10 +15,9 @@
 # $OUT/results.tgz: the tool returns only a few files, so one archive holds every record and log.
 # A step that could overrun BUDGET seconds (default 570) since the start is skipped, and says so.
 
-[ -n "${K3_COMMIT:-}" ] || { echo "h200_call: set K3_COMMIT=<sha of the checked-out commit> (git rev-parse HEAD on the CPU side)"; exit 2; }
-# every record carries it as its `commit`: a value that is no sha (2026-12-05: "none", from a file
-# a call script meant to read it from) would tie them to no commit
-[[ "$K3_COMMIT" =~ ^[0-9a-f]{40}$ ]] || { echo "h200_call: K3_COMMIT='$K3_COMMIT' is not a full 40-hex sha: set it to \$(git rev-parse HEAD) computed on the CPU side"; exit 2; }
+# every record carries it as its `commit`: unset, or a value that is no sha (2026-12-05: "none",
+# from a file a call script meant to read it from), would tie them to no commit
+[[ "${K3_COMMIT:-}" =~ ^[0-9a-f]{40}$ ]] || { echo "h200_call: set K3_COMMIT to the full 40-hex sha of the checked-out commit, \$(git rev-parse HEAD) on the CPU side (got '${K3_COMMIT:-}')"; exit 2; }
 # the device copy's .git can be older than the tree that travels (2026-12-03, 2026-12-04), so a sha
 # taken from it there names a commit that is not what runs
 # (the rendered report docs/fast_track/*_evidence.md, no source of any record, may be held back from a
