@@ -1,8 +1,8 @@
 """`k3-decode eval`: the long-context evals on both decode paths, as a table and JSON evidence.
 
     k3-decode eval                                     # tiny checkpoint, all tasks, 1K..64K
-    k3-decode eval --device cuda --out vllm/models/kimi_k3/nvidia/evidence/h200/eval_tiny.json \\
-                   --table docs/fast_track/eval_tiny.md
+    k3-decode eval --device cuda --out vllm/models/kimi_k3/nvidia/evidence/<card>/eval_tiny.json \\
+                   --table vllm/models/kimi_k3/nvidia/evidence/<card>/eval_tiny_<card>.md   # h200, h100
     k3-decode eval --config mini --random-weights 0 --lengths 256 --samples 2   # wiring only
 
 Exit status: 0 when every gate is met, 1 when one is not, 2 for a bad argument or a
