@@ -220,16 +220,23 @@ def step_lines(records: list[Record]) -> list[str]:
     return lines
 
 
+RECORDERS = ("record_parity", "parity_record", "record_kernel_test")  # tests/_evidence.py
+TEST_MAKERS = ("long_run_tests", "depth_tests")  # make GPU tests that write the record they are given
+
+
 def _records_written(source: str) -> list[str]:
-    """The record files a test module writes: the `.json` names its calls of record_parity, parity_record,
-    long_run_tests or depth_tests pass (parsed, so a call quoted inside a string is not one)."""
-    names = []
-    for node in ast.walk(ast.parse(source)):
-        func = getattr(node, "func", None)
-        if isinstance(node, ast.Call) and getattr(func, "id", getattr(func, "attr", None)) in (
-                "record_parity", "parity_record", "long_run_tests", "depth_tests"):
-            names += [a.value for a in node.args
-                      if isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.endswith(".json")]
+    """The record files a GPU test module writes: the `.json` names its calls of RECORDERS or
+    TEST_MAKERS pass (parsed, so a call quoted inside a string is not one). A module with neither a
+    `pytest.mark.gpu` nor a TEST_MAKERS call has no GPU test, so its RECORDERS calls (a CPU test of
+    the recorder itself) write no record a GPU run would make."""
+    tree = ast.parse(source)
+    calls = [(getattr(n.func, "id", getattr(n.func, "attr", None)), n)
+             for n in ast.walk(tree) if isinstance(n, ast.Call)]
+    has_gpu_tests = any(name in TEST_MAKERS for name, _ in calls) or any(
+        isinstance(n, ast.Attribute) and n.attr == "gpu" and getattr(n.value, "attr", None) == "mark"
+        for n in ast.walk(tree))
+    names = [a.value for name, call in calls if has_gpu_tests and name in RECORDERS + TEST_MAKERS
+             for a in call.args if isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.endswith(".json")]
     return list(dict.fromkeys(names))
 
 

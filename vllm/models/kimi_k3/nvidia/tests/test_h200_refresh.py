@@ -206,13 +206,18 @@ def test_a_gpu_test_whose_record_was_never_committed_gets_a_step(tmp_path):
     (model / "tests" / "test_new.py").write_text('parity_record("new_parity.json", "executor", "f", [], R)\n'
                                                  'long_run_tests(RUNS, "long.json", "f")\n'
                                                  'depth_tests(8, "deep.json", "f")\n')
+    (model / "tests" / "test_kernel.py").write_text('record_kernel_test("kernel_test.json", "gemm", "f", S, R, "t")\n'
+                                                    '@pytest.mark.gpu\ndef test_it(): pass\n')
+    # a CPU test of the recorder (no GPU test in its module) writes no record a GPU run makes
+    (model / "tests" / "test_recorder.py").write_text('record_kernel_test("x.json", "demo", "f", S, R, "t")\n')
     (model / "tests" / "test_old.py").write_text('record_parity(\n    "old.json", "executor", "f", [], R)\n')
     (model / "evidence" / "h200" / "old.json").write_text("{}")
     # a test that only quotes such a call (as this file does) writes no record
     (model / "tests" / "test_quotes.py").write_text("""SRC = 'record_parity("quoted.json", "executor")'\n""")
     lines = refresh.unrecorded_steps(model, tmp_path)
-    assert [line.split()[:2] for line in lines] == [["step", "new_parity"], ["step", "long"], ["step", "deep"]]
-    assert all(line.endswith("-m gpu m/tests/test_new.py") for line in lines)
+    assert [line.split()[:2] for line in lines] == [["step", "kernel_test"], ["step", "new_parity"], ["step", "long"],
+                                                    ["step", "deep"]]
+    assert all(line.endswith("-m gpu m/tests/test_new.py") for line in lines[1:])
     here = refresh.unrecorded_steps(ROOT / "vllm/models/kimi_k3/nvidia", ROOT)
     assert not [line for line in here if "test_h200_refresh.py" in line]
     # a record never run but estimated from its siblings is packed by that estimate
