@@ -31,6 +31,7 @@ and the GPU), so a record's `wall_s` from a lane overstates what it takes alone.
 from __future__ import annotations
 
 import argparse
+import functools
 import ast
 import math
 import re
@@ -220,12 +221,13 @@ def step_lines(records: list[Record]) -> list[str]:
     return lines
 
 
-RECORDERS = ("record_parity", "parity_record", "record_kernel_test")  # tests/_evidence.py
-TEST_MAKERS = ("long_run_tests", "depth_tests")  # make GPU tests that write the record they are given
+# tests/_evidence.py's recorders, and the kind of record each writes
+RECORDERS = {"record_parity": "parity", "parity_record": "parity", "record_kernel_test": "kernel-test"}
+TEST_MAKERS = ("long_run_tests", "depth_tests")  # make GPU tests that write the parity record they are given
 
 
-def _records_written(source: str) -> list[str]:
-    """The record files a GPU test module writes: the `.json` names its calls of RECORDERS or
+def _records_written(source: str) -> dict[str, str]:
+    """The record files a GPU test module writes, with their kinds: the `.json` names its calls of RECORDERS or
     TEST_MAKERS pass (parsed, so a call quoted inside a string is not one). A module with neither a
     `pytest.mark.gpu` nor a TEST_MAKERS call has no GPU test, so its RECORDERS calls (a CPU test of
     the recorder itself) write no record a GPU run would make."""
@@ -235,19 +237,25 @@ def _records_written(source: str) -> list[str]:
     has_gpu_tests = any(name in TEST_MAKERS for name, _ in calls) or any(
         isinstance(n, ast.Attribute) and n.attr == "gpu" and getattr(n.value, "attr", None) == "mark"
         for n in ast.walk(tree))
-    names = [a.value for name, call in calls if has_gpu_tests and name in RECORDERS + TEST_MAKERS
-             for a in call.args if isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.endswith(".json")]
-    return list(dict.fromkeys(names))
+    written = {}
+    for name, call in calls:
+        if has_gpu_tests and (name in RECORDERS or name in TEST_MAKERS):
+            for a in call.args:
+                if isinstance(a, ast.Constant) and isinstance(a.value, str) and a.value.endswith(".json"):
+                    written.setdefault(a.value, RECORDERS.get(name, "parity"))
+    return written
 
 
 def unrecorded_steps(model_dir: Path, repo: Path, card: str = "h200",
-                     covered: frozenset[str] = frozenset()) -> list[str]:
+                     covered: frozenset[str] = frozenset(), kinds: frozenset[str] | None = None) -> list[str]:
     """A step for each record a GPU test file writes that is not in evidence/CARD/ yet (nor
-    `covered`, the record names a step already makes): a test written and never run has no record
-    to go stale, so it would not be refreshed otherwise."""
+    `covered`, the record names a step already makes), of `kinds` (default: all): a test written
+    and never run has no record to go stale, so it would not be refreshed otherwise."""
     lines = []
     for test in sorted((model_dir / "tests").glob("test_*.py")):
-        for name in _records_written(test.read_text()):
+        for name, kind in _records_written(test.read_text()).items():
+            if kinds is not None and kind not in kinds:
+                continue
             if not (model_dir / "evidence" / card / name).exists() and name not in covered:
                 cmd = shlex.join(_gpu_pytest([test.relative_to(repo).as_posix()]))
                 expect = f"EXPECT={FIRST_RUN_EXPECT[name]} " if name in FIRST_RUN_EXPECT else ""
@@ -391,7 +399,10 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(command_lines(records)))
         return 0
     covered = frozenset(Path(r.rel).name for r in records)
-    lines = step_lines(records) + unrecorded_steps(model.path, model.root, args.card or "h200", covered)
+    unrecorded = functools.partial(unrecorded_steps, model.path, model.root, args.card or "h200", covered)
+    # a kernel test never run is quick, and what every later record stands on: it goes first
+    lines = (unrecorded(kinds=frozenset({"kernel-test"})) + step_lines(records)
+             + unrecorded(kinds=frozenset({"parity"})))
     timed = frozenset(Path(r.rel).stem for r in records if r.kind in TIMED_KINDS)
     print("\n".join(on_gpus(lines, args.gpus, args.lanes, timed, frozenset(Path(n).stem for n in HOLDS_A_BLOCK))))
     return 0
