@@ -108,13 +108,17 @@ def _retarget(arg: str) -> str:
     return _CARD_TABLE.sub("_$K3_GPU_FOLDER.md", arg)
 
 
-def _gpu_pytest(args: list[str]) -> list[str]:
-    files = [a for a in args if a.endswith(".py")]
+def _gpu_pytest(args: list[str]) -> list[str] | None:
+    """The pytest run of `args`' test files or node ids (`file.py::test[param]`) and its -k selection,
+    as a step runs it; None where `args` name no test file, which would run every GPU test instead."""
+    targets = [a for a in args if a.endswith(".py") or ".py::" in a]
+    if not targets:
+        return None
     keep = []
-    for i, a in enumerate(args):  # a -k selection travels; -q, -m gpu and the file are re-added
+    for i, a in enumerate(args):  # a -k selection travels; -q, -m gpu and the targets are re-added
         if a == "-k" and i + 1 < len(args):
             keep += ["-k", args[i + 1]]
-    return ["python3", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *keep, *files]
+    return ["python3", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *keep, *targets]
 
 
 def _recorder(record: Record, tool: str) -> list[str]:
@@ -139,12 +143,14 @@ def device_command(record: Record) -> list[str] | None:
         inner = words[words.index("python3"):] if "python3" in words else None
         if not inner or "pytest" not in inner or not record.sources:
             return None
-        return [*_recorder(record, "record-sanitizer"), "--", *_gpu_pytest(inner[inner.index("pytest") + 1:])]
+        run = _gpu_pytest(inner[inner.index("pytest") + 1:])
+        return None if run is None else [*_recorder(record, "record-sanitizer"), "--", *run]
     if "exit_code" in record.data and "pytest" in words[:3]:  # made by `fast-track record-tests`
         if not record.sources:
             return None
-        return [*_recorder(record, "record-tests"), "--kind", record.kind, "--family",
-                str(record.data.get("family", "")), "--", *_gpu_pytest(words[words.index("pytest") + 1:])]
+        run = _gpu_pytest(words[words.index("pytest") + 1:])
+        return None if run is None else [*_recorder(record, "record-tests"), "--kind", record.kind, "--family",
+                                         str(record.data.get("family", "")), "--", *run]
     if head == "coverage":
         return ["record_coverage", *[a for a in words if a.endswith(".py")]]
     if head == "pytest" or words[:3] in (["python", "-m", "pytest"], ["python3", "-m", "pytest"]):

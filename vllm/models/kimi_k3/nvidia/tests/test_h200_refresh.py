@@ -101,6 +101,20 @@ def test_a_record_of_fast_track_record_tests_is_made_by_it_again():
     assert args[args.index("--") + 1:][-1] == "vllm/models/kimi_k3/nvidia/tests/test_features_cuda.py"
 
 
+def test_node_ids_travel_and_a_command_naming_no_test_file_is_not_rewritten():
+    """A record of one test (`file.py::test[param]`) is made by that test again, not by every GPU
+    test; a pytest command that names no test file gets no step (it would run them all)."""
+    node = "vllm/models/kimi_k3/nvidia/tests/test_features_cuda.py::test_structured_output_on_the_kernels[1]"
+    features = _record(f"python3 -m pytest -q -p no:cacheprovider -m gpu {node}", "features_parity.json",
+                       kind="parity", family="features", exit_code=0,
+                       sources=["vllm/models/kimi_k3/nvidia/latency_specialized/engine.py"])
+    (step,) = _run_steps(refresh.step_lines([features]))
+    assert step[2:][-1] == node
+    bare = _record("python -m pytest -q -m gpu", "bare.json")
+    assert refresh.device_command(bare) is None
+    assert "skipped" in refresh.step_lines([bare])[0]
+
+
 def test_a_source_deleted_since_the_record_is_left_out_of_its_refresh():
     features = _record("python3 -m pytest -q -p no:cacheprovider -m gpu vllm/models/kimi_k3/nvidia/tests/test_features_cuda.py",
                        "features_parity.json", kind="parity", family="features", exit_code=0,
