@@ -5,9 +5,13 @@ against the standard path), every such record fresh, every result passing and ev
 target met: its targets are the gates. Kernel tests with random inputs miss the errors
 these find, so a missing or failing eval fails the item.
 
-`benchmarks`: at least one `decode-bench` record, every such record fresh and carrying
-the command that reproduces it. Missed performance targets are listed with their figure
-but do not fail the item: a slower-than-hoped kernel is a fact to report, not a defect.
+`benchmarks`: at least one `decode-bench` record, every such record fresh, carrying the
+command that reproduces it, and every result passing: a decode-bench result's status is
+its parity verdict (the specialized step against the standard one), so a fast step that
+computes the wrong thing fails the item; a result with no verdict (its `unjudged` field
+says why, e.g. the yardstick was lost) is not a pass either, and its reason is shown.
+Missed performance targets are listed with their figure but do not fail the item: a
+slower-than-hoped kernel is a fact to report, not a defect.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from .evidence import EvidenceSet, Record, stale_findings
 from .items import FAIL, PASS, Finding, ItemResult
 
 TITLE_EVALS = "Long-context eval evidence exists and passed its gates"
-TITLE_BENCH = "Decode benchmark evidence exists with its command"
+TITLE_BENCH = "Decode benchmark evidence exists with its command and passed parity"
 
 
 def _target_text(target: dict) -> str:
@@ -29,6 +33,19 @@ def _longest_context(records: list[Record]) -> int | None:
                for k, v in (res.get("shape") or {}).items()
                if isinstance(v, int) and ("context" in k or k in ("ctx", "seq_len"))]
     return max(lengths) if lengths else None
+
+
+def _failing_parity(record: Record) -> list[Finding]:
+    """The failing results of a decode-bench record, then why each unjudged one had no verdict
+    (without the reason a reviewer cannot tell a wrong result from a missing yardstick)."""
+    failed = record.failed_results()
+    if not failed:
+        return []
+    found = [Finding(f"{len(failed)} failing result(s) (status is the parity verdict): "
+                     f"{', '.join(failed[:8])}", record.rel)]
+    found += [Finding(f"{r.get('name', '?')}: unjudged: {r['unjudged']}", record.rel)
+              for r in record.results if r.get("status") != "pass" and r.get("unjudged")]
+    return found
 
 
 def check_evals(evidence: EvidenceSet) -> ItemResult:
@@ -69,11 +86,12 @@ def check_benchmarks(evidence: EvidenceSet) -> ItemResult:
         findings += stale_findings(evidence, record)
         if not record.command.strip():
             findings.append(Finding("no `command`: a reviewer cannot reproduce it", record.rel))
+        findings += _failing_parity(record)
         notes += [Finding(_target_text(t), record.rel) for t in record.missed_targets()]
     if findings:
         return ItemResult("benchmarks", TITLE_BENCH, FAIL,
-                          f"{len(records)} decode-bench record(s); stale or without command",
-                          findings + notes)
+                          f"{len(records)} decode-bench record(s); stale, without command or "
+                          "failing parity", findings + notes)
     missed = f"; {len(notes)} target(s) missed (listed)" if notes else ""
     return ItemResult("benchmarks", TITLE_BENCH, PASS,
                       f"{len(records)} fresh decode-bench record(s) with their command" + missed,

@@ -59,3 +59,18 @@ def test_an_edited_source_makes_evals_and_benchmarks_stale(repo):
         first, second = item.findings[:2]
         assert first.path == rel and first.message.startswith("stale: sources changed since commit")
         assert (second.path, second.message) == (KERNEL, f"changed since {rel} was recorded")
+
+
+def test_a_benchmark_whose_parity_failed_fails_and_says_why_a_point_is_unjudged(repo):
+    """A decode-bench result's status is its parity verdict: a failing one fails the item, and a
+    point without its yardstick (`unjudged`) shows the reason."""
+    _patch(repo, BENCH, results=[
+        {"name": "rows=1", "status": "fail", "time_us": 41.5},
+        {"name": "rows=8", "status": "fail", "time_us": 52.0,
+         "unjudged": "the rounding-noise yardstick is missing: OutOfMemoryError"}])
+    item = review_items(repo.root)["benchmarks"]
+    assert item.status == FAIL and "failing parity" in item.summary
+    messages = [f.message for f in item.findings]
+    assert messages[0].startswith("2 failing result(s)") and messages[0].endswith(": rows=1, rows=8")
+    assert item.findings[0].path == BENCH
+    assert "rows=8: unjudged: the rounding-noise yardstick is missing: OutOfMemoryError" in messages
