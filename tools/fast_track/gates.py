@@ -3,7 +3,8 @@
 `evals`: at least one `eval` record (long-context accuracy of the specialized path
 against the standard path), every such record fresh, every result passing and every
 target met: its targets are the gates. Kernel tests with random inputs miss the errors
-these find, so a missing or failing eval fails the item.
+these find, so a missing or failing eval fails the item, and so does an eval record with
+no results (it measured nothing) or no targets (nothing was judged).
 
 `benchmarks`: at least one `decode-bench` record, every such record fresh, carrying the
 command that reproduces it, and every result passing: a decode-bench result's status is
@@ -48,6 +49,18 @@ def _failing_parity(record: Record) -> list[Finding]:
     return found
 
 
+def _empty_eval(record: Record) -> list[Finding]:
+    """An eval record with nothing measured or nothing judged would otherwise pass vacuously."""
+    found = []
+    if not record.results:
+        found.append(Finding("no `results`: an eval record carries what it measured, one result "
+                             "per eval; rerun it and commit the full record", record.rel))
+    if not record.targets:
+        found.append(Finding("no `targets`: an eval record's targets are its gates; without one "
+                             "nothing was judged; give it the gates it must meet", record.rel))
+    return found
+
+
 def check_evals(evidence: EvidenceSet) -> ItemResult:
     records = evidence.of_kind("eval")
     if not records:
@@ -57,6 +70,7 @@ def check_evals(evidence: EvidenceSet) -> ItemResult:
     findings: list[Finding] = []
     for record in records:
         findings += stale_findings(evidence, record)
+        findings += _empty_eval(record)
         failed = record.failed_results()
         if failed:
             findings.append(Finding(f"{len(failed)} failing result(s): {', '.join(failed[:8])}",

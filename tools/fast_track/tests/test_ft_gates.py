@@ -26,7 +26,8 @@ def test_a_missed_gate_or_failing_eval_fails(repo):
     item = review_items(repo.root)["evals"]
     assert item.status == FAIL
     assert item.findings[0].message == "target greedy agreement: 0.97 against '>= 0.99' (missed)"
-    _patch(repo, EVAL, targets=[], results=[{"name": "mrcr@64k", "status": "fail"}])
+    met = [{"name": "accuracy within 1 point", "target": "<= 1", "value": 0.4, "met": True}]
+    _patch(repo, EVAL, targets=met, results=[{"name": "mrcr@64k", "status": "fail"}])
     assert "failing result(s): mrcr@64k" in review_items(repo.root)["evals"].findings[0].message
 
 
@@ -74,3 +75,13 @@ def test_a_benchmark_whose_parity_failed_fails_and_says_why_a_point_is_unjudged(
     assert messages[0].startswith("2 failing result(s)") and messages[0].endswith(": rows=1, rows=8")
     assert item.findings[0].path == BENCH
     assert "rows=8: unjudged: the rounding-noise yardstick is missing: OutOfMemoryError" in messages
+
+
+def test_an_eval_with_no_results_or_no_targets_fails(repo):
+    """An eval record that measured nothing, or judged nothing, proves nothing."""
+    _patch(repo, EVAL, results=[], targets=[])
+    item = review_items(repo.root)["evals"]
+    assert item.status == FAIL
+    messages = [(f.path, f.message) for f in item.findings]
+    assert any(p == EVAL and m.startswith("no `results`") for p, m in messages)
+    assert any(p == EVAL and m.startswith("no `targets`") for p, m in messages)
