@@ -1,8 +1,9 @@
 """Evidence records (ARCHITECTURE §7) and whether each still describes the current sources.
 
 Every `*.json` under the model's `evidence/` folder, at any depth, holds one record (a
-JSON object) or a list of them. A record names the repository-relative `sources` it
-measured and their `source_hash`:
+JSON object) or a list of them; anything else (an empty list, a bare value, an object
+without `kind`) is one of the set's `problems`, never silently skipped. A record names
+the repository-relative `sources` it measured and their `source_hash`:
 
     sha256 over the sources in sorted path order, each contributing
         its path (UTF-8) + NUL + its bytes + NUL
@@ -114,6 +115,17 @@ def _freshness(root: Path, record: Record) -> Freshness:
                             "every source is a candidate", tuple(sources))
 
 
+def _not_a_record(item: Any) -> str | None:
+    """Why a JSON value is not an evidence record, or None when it is one; a value that is not
+    an object would otherwise be skipped without a word, hiding a broken file."""
+    if not isinstance(item, dict):
+        what = {bool: "boolean", int: "number", float: "number", str: "string", list: "list"}
+        return f"not a record: a JSON {what.get(type(item), 'null')}, not an object with a `kind`"
+    if not item.get("kind"):
+        return "not an evidence record (no `kind`)"
+    return None
+
+
 @dataclass
 class EvidenceSet:
     """All records of one model folder, read once; freshness computed once per record."""
@@ -133,13 +145,18 @@ class EvidenceSet:
             except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
                 found.problems.append(Finding(f"not readable as JSON: {e}", rel))
                 continue
+            if data == []:
+                found.problems.append(Finding("not a record: an empty list holds no evidence record; "
+                                              "write the record (a JSON object) or remove the file", rel))
             items = data if isinstance(data, list) else [data]
             for i, item in enumerate(items):
                 position = i if isinstance(data, list) else None
-                if isinstance(item, dict) and item.get("kind"):
-                    found.records.append(Record(rel, item, position))
+                why = _not_a_record(item)
+                if why:
+                    at = f" (item {i})" if position is not None else ""
+                    found.problems.append(Finding(why + at, rel))
                 else:
-                    found.problems.append(Finding("not an evidence record (no `kind`)", rel))
+                    found.records.append(Record(rel, item, position))
         return found
 
     @cached_property

@@ -113,3 +113,14 @@ def test_the_documented_hash_is_what_fresh_means(repo):
     record["source_hash"] = sha256_of_sources(repo.root, record["sources"])
     _store(repo, PARITY, record)
     assert review_items(repo.root)["evidence-fresh"].status == PASS
+
+
+def test_a_json_that_is_not_an_object_is_not_a_record(repo):
+    """An empty list or a bare value holds no record: reported, not silently skipped."""
+    repo.write(f"{MODEL}/evidence/empty.json", "[]")
+    repo.write(f"{MODEL}/evidence/number.json", "5")
+    item = review_items(repo.root)["evidence-fresh"]
+    assert item.status == FAIL
+    found = {f.path: f.message for f in item.findings}
+    assert found[f"{MODEL}/evidence/empty.json"].startswith("not a record: an empty list")
+    assert found[f"{MODEL}/evidence/number.json"].startswith("not a record: a JSON number")
