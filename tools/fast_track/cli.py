@@ -136,9 +136,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         model = _one_model(root, args.model)
         if args.command == "stale":
-            found = stale_records(model)
-            sys.stdout.write(render_stale(found))
-            return 1 if found else 0
+            found, unreadable = stale_records(model)
+            sys.stdout.write(render_stale(found, unreadable))
+            return 1 if found or unreadable else 0
         out = args.out.resolve()
         if args.command == "render-evidence":
             out.parent.mkdir(parents=True, exist_ok=True)

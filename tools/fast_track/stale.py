@@ -5,17 +5,21 @@
 One line per record that is not fresh (its file, why, which sources changed), then each
 distinct command of those records once, in record order: what to rerun on the GPU before
 committing the records again, and how long their last runs took (the device time to plan
-for). Exit 0 when every record is fresh, 1 when one is not.
+for). Files under evidence/ that hold no readable record (not JSON, not an object, no
+`kind`) are listed first: nothing in them can be judged fresh, so they are never passed
+over. Exit 0 when every file is a record and every record is fresh, 1 otherwise.
 """
 
 from __future__ import annotations
 
 from .evidence import EvidenceSet, Record
+from .items import Finding
 from .model import ModelFolder
 
 
-def stale_records(model: ModelFolder) -> list[tuple[Record, str]]:
-    """(record, why) for every record of the model folder that is not fresh."""
+def stale_records(model: ModelFolder) -> tuple[list[tuple[Record, str]], list[Finding]]:
+    """(record, why) for every record of the model folder that is not fresh, and the evidence
+    files that hold no readable record (they cannot be fresh either)."""
     evidence = EvidenceSet.load(model)
     found = []
     for record in evidence.records:
@@ -23,7 +27,7 @@ def stale_records(model: ModelFolder) -> list[tuple[Record, str]]:
         if not state.fresh:
             changed = f" ({', '.join(state.changed)})" if state.changed else ""
             found.append((record, state.reason + changed))
-    return found
+    return found, list(evidence.problems)
 
 
 def refresh_commands(stale: list[tuple[Record, str]]) -> list[str]:
@@ -46,10 +50,15 @@ def refresh_seconds(stale: list[tuple[Record, str]]) -> tuple[float, int]:
     return sum(took.values()), silent
 
 
-def render(stale: list[tuple[Record, str]]) -> str:
+def render(stale: list[tuple[Record, str]], problems: list[Finding] | None = None) -> str:
+    lines = []
+    if problems:
+        files = len({p.path for p in problems})
+        lines += [f"{files} evidence file(s) hold no readable record (fix or remove them):"]
+        lines += [f"  {p.path}: {p.message}" for p in problems]
     if not stale:
-        return "every evidence record is fresh\n"
-    lines = [f"{len(stale)} stale record(s):"] + [f"  {r.label}: {why}" for r, why in stale]
+        return "\n".join(lines + [f"every {'readable ' if problems else ''}evidence record is fresh"]) + "\n"
+    lines += [f"{len(stale)} stale record(s):"] + [f"  {r.label}: {why}" for r, why in stale]
     commands = refresh_commands(stale)
     lines += [f"{len(commands)} command(s) refresh them:"] + [f"  {c}" for c in commands]
     seconds, silent = refresh_seconds(stale)

@@ -33,3 +33,16 @@ def test_the_refresh_time_counts_a_shared_command_once_and_says_what_is_unknown(
     took = [line for line in lines if line.startswith("their last runs took")]
     assert took and took[0].startswith("their last runs took 42 s")
     assert (f", and {stale - 1} record(s) do not say how long" in took[0]) == (stale > 1)
+
+
+def test_a_file_that_is_not_a_record_is_listed_and_fails(repo, monkeypatch, capsys):
+    """A corrupt file or a JSON without `kind` is evidence nobody can judge: not "all fresh"."""
+    monkeypatch.chdir(repo.root)
+    repo.write(f"{MODEL}/evidence/h200/broken.json", "{")
+    repo.write(f"{MODEL}/evidence/h200/nokind.json", json.dumps({"results": []}))
+    assert main(["stale"]) == 1
+    out = capsys.readouterr().out
+    assert "every evidence record is fresh\n" not in out
+    assert "2 evidence file(s) hold no readable record" in out
+    assert f"  {MODEL}/evidence/h200/broken.json: not readable as JSON" in out
+    assert f"  {MODEL}/evidence/h200/nokind.json: not an evidence record (no `kind`)" in out
