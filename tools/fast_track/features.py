@@ -6,7 +6,11 @@ test exists when the file does and `ast` finds that function in it (a module-lev
 function, or a method of that class). It passed when a fresh `parity` or `kernel-test`
 record has results for it and all of them pass. A result counts for the test when its
 `name` is the node id or the bare test name, either alone or with a `[param]` suffix, so
-a parametrized test passes only when every recorded case passes.
+a parametrized test passes only when every recorded case passes; and, when the result
+carries a `module` (pytest's JUnit classname, as `fast-track record-tests` writes it), that
+module is the node id's file (and class): a test of the same name in another file proves
+nothing about the feature. The module may be the node id's dotted path or a tail of it,
+since pytest names modules from its rootdir, which may lie below the repository root.
 """
 
 from __future__ import annotations
@@ -46,7 +50,28 @@ def find_test(model: ModelFolder, node_id: str) -> tuple[bool, str]:
     return True, ""
 
 
-def _matches(result_name: str, node_id: str) -> bool:
+def _dotted(node_id: str) -> str:
+    """The node id as pytest's JUnit classname spells it: file path dotted, `.py` dropped,
+    then its classes (`a/tests/test_x.py::TestA::test_b` -> `a.tests.test_x.TestA`)."""
+    path_part, _, rest = node_id.partition("::")
+    path = path_part[:-3] if path_part.endswith(".py") else path_part
+    classes = rest.split("[", 1)[0].split("::")[:-1]
+    return ".".join([p for p in path.split("/") if p] + classes)
+
+
+def _same_module(module: str, node_id: str) -> bool:
+    dotted = module.strip().replace("/", ".")
+    dotted = dotted[:-3] if dotted.endswith(".py") else dotted
+    wanted = _dotted(node_id)
+    return dotted == wanted or wanted.endswith("." + dotted)
+
+
+def _matches(result: dict, node_id: str) -> bool:
+    """Whether a result is the node id's test: by name, and by module when it names one."""
+    module = result.get("module")
+    if module not in (None, "") and not _same_module(str(module), node_id):
+        return False
+    result_name = str(result.get("name", ""))
     bare = node_id.split("::")[-1]
     for wanted in (node_id, bare):
         if result_name == wanted:
@@ -62,7 +87,7 @@ def test_outcome(evidence: EvidenceSet, node_id: str) -> tuple[str, list[str]]:
     carriers: list[str] = []
     stale = False
     for record in evidence.of_kind(*RESULT_KINDS):
-        statuses = [r.get("status") for r in record.results if _matches(str(r.get("name", "")), node_id)]
+        statuses = [r.get("status") for r in record.results if _matches(r, node_id)]
         if not statuses:
             continue
         carriers.append(record.label)

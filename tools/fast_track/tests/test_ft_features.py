@@ -129,3 +129,17 @@ def test_a_source_folder_stands_for_every_python_file_below_it(repo, monkeypatch
     assert main(["record-tests", "--out", PARITY, "--family", "f", "--source", f"{MODEL}/empty",
                  "--", *cmd]) == 2
     assert "a folder with no .py file" in capsys.readouterr().err
+
+
+def test_a_result_from_another_test_file_with_the_same_name_does_not_count(repo):
+    """A result's `module` (pytest's JUnit classname) must be the node id's file: a test of the
+    same name in another file proves nothing about the feature."""
+    name = "test_sampling_same_on_both_paths"
+    _set_results(repo, [{"name": name, "module": f"{MODEL.replace('/', '.')}.tests.test_other",
+                         "status": "pass"}])
+    assert "no parity or kernel-test record has its result" in _features(repo).findings[0].message
+    for module in (f"{MODEL.replace('/', '.')}.tests.test_features", "tests.test_features", ""):
+        _set_results(repo, [{"name": name, "module": module, "status": "pass"}])
+        assert _features(repo).status == PASS, module  # the full path, one below a deeper rootdir, or none
+    _set_results(repo, [{"name": name, "module": "tests.test_features.TestOther", "status": "pass"}])
+    assert _features(repo).status == FAIL  # a method of a class is not the module-level test
