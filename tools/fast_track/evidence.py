@@ -14,6 +14,12 @@ also carries `source_hashes` (path -> sha256 of that file's bytes); else from gi
 the sources that differ from the record's `commit`; else it lists every source as a
 candidate and says it cannot tell. A record without sources or hash cannot be tied to
 code and is never fresh.
+
+A record written by fast-track itself also keeps `source_args`, the sources as given: a
+folder there stands for every `.py` file below it, while `sources` lists the files it held
+at the run. The folder is expanded again here, and a record whose folders now hold other
+`.py` files (one added, or one removed) is stale and names them: the hash alone covers
+only the files that existed at the run, so a new file would pass unmeasured.
 """
 
 from __future__ import annotations
@@ -41,6 +47,13 @@ def source_hash(root: Path, sources: list[str]) -> str:
 
 def file_hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def py_files_under(root: Path, folder: str) -> list[str]:
+    """The repository-relative `.py` files below a folder, as a folder source stands for them
+    (records.py expands a folder with this at the run; freshness expands it again)."""
+    return sorted(p.relative_to(root).as_posix() for p in (root / folder).rglob("*.py")
+                  if "__pycache__" not in p.parts)
 
 
 @dataclass(frozen=True)
@@ -74,6 +87,11 @@ class Record:
         return [str(s) for s in value] if isinstance(value, list) else []
 
     @property
+    def source_args(self) -> list[str]:
+        value = self.data.get("source_args")
+        return [Path(str(s)).as_posix() for s in value] if isinstance(value, list) else []
+
+    @property
     def results(self) -> list[dict[str, Any]]:
         value = self.data.get("results")
         return [r for r in value if isinstance(r, dict)] if isinstance(value, list) else []
@@ -90,13 +108,36 @@ class Record:
         return [t for t in self.targets if t.get("met") is not True]
 
 
+def _folder_drift(root: Path, record: Record) -> tuple[list[str], list[str]]:
+    """(added, removed): the `.py` files of the record's source folders today against those it
+    measured. An entry of `source_args` that is not itself in `sources` was a folder."""
+    sources = set(record.sources)
+    now: set[str] = set()
+    then: set[str] = set()
+    for arg in record.source_args:
+        if arg in sources:
+            continue
+        prefix = "" if arg == "." else arg.rstrip("/") + "/"
+        then |= {s for s in sources if s.startswith(prefix) and s.endswith(".py")
+                 and "__pycache__" not in s.split("/")}
+        if (root / arg).is_dir():
+            now |= set(py_files_under(root, arg))
+    return sorted(now - then), sorted(then - now)
+
+
 def _freshness(root: Path, record: Record) -> Freshness:
     sources, recorded = record.sources, record.data.get("source_hash")
     if not sources or not isinstance(recorded, str):
         return Freshness(False, "names no `sources` or no `source_hash`, so it is tied to no code")
-    outside = [s for s in sources if Path(s).is_absolute() or ".." in Path(s).parts]
+    outside = [s for s in sources + record.source_args if Path(s).is_absolute() or ".." in Path(s).parts]
     if outside:
         return Freshness(False, f"sources must be repository-relative paths: {outside}")
+    added, removed = _folder_drift(root, record)
+    if added or removed:
+        said = "; ".join(f"{what}: {', '.join(files)}" for what, files in (("added", added),
+                                                                            ("removed", removed)) if files)
+        return Freshness(False, f"stale: its source folders hold other .py files than at the run ({said})",
+                         tuple(added + removed))
     missing = [s for s in sources if not (root / s).is_file()]
     if missing:
         return Freshness(False, "stale: sources no longer exist", tuple(missing))

@@ -16,7 +16,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from .evidence import file_hash, source_hash
+from .evidence import file_hash, py_files_under, source_hash
 from .gitrepo import GitError, commit_of
 
 
@@ -50,8 +50,7 @@ def expand_sources(root: Path, sources: list[str]) -> list[str]:
     for s in sources:
         path = root / s
         if path.is_dir():
-            found = [p.relative_to(root).as_posix() for p in path.rglob("*.py")
-                     if "__pycache__" not in p.parts]
+            found = py_files_under(root, s)
             if not found:
                 missing.append(f"{s} (a folder with no .py file)")
             files.update(found)
@@ -70,8 +69,9 @@ def record_head(root: Path, kind: str, family: str, command: str,
     given = [Path(s).as_posix() for s in sources]
     sources = expand_sources(root, sources)
     gpu, cc, driver = gpu_facts()
-    # source_args: the sources as given, folders unexpanded, so a refresh of the record names a
-    # file added to such a folder since (`sources` lists the files the folders held at the run)
+    # source_args: the sources as given, folders unexpanded, so freshness (evidence.py) expands
+    # them again and a file added to such a folder since stales the record, named (`sources`
+    # lists the files the folders held at the run)
     return {"kind": kind, "family": family, "command": command, "gpu": gpu,
             "compute_capability": cc, "driver": driver, "commit": commit(root),
             "sources": sources, "source_args": given, "source_hash": source_hash(root, sources),

@@ -124,3 +124,24 @@ def test_a_json_that_is_not_an_object_is_not_a_record(repo):
     found = {f.path: f.message for f in item.findings}
     assert found[f"{MODEL}/evidence/empty.json"].startswith("not a record: an empty list")
     assert found[f"{MODEL}/evidence/number.json"].startswith("not a record: a JSON number")
+
+
+def test_a_file_added_to_a_source_folder_makes_the_record_stale(repo):
+    """A folder in `source_args` stands for every .py file in it, today's included: a file added
+    since the run was not measured, so the record is stale and the file is named."""
+    folder = f"{MODEL}/kernels"
+    files = sorted(p.relative_to(repo.root).as_posix() for p in (repo.root / folder).rglob("*.py"))
+    files.append(f"{MODEL}/options.py")
+    record = _load(repo, PARITY)
+    record.update(sources=files, source_args=[folder, f"{MODEL}/options.py"],
+                  source_hash=sha256_of_sources(repo.root, files))
+    _store(repo, PARITY, record)
+    assert review_items(repo.root)["evidence-fresh"].status == PASS
+    repo.write(f"{folder}/nested/mul.py", "def mul(a, b):\n    return a * b\n")
+    repo.write(f"{folder}/notes.md", "not code\n")  # not a .py file: not a source
+    item = review_items(repo.root)["evidence-fresh"]
+    assert item.status == FAIL
+    stale = [f.message for f in item.findings if f.path == PARITY]
+    assert stale and stale[0].startswith("stale:") and f"added: {folder}/nested/mul.py" in stale[0]
+    assert [f.path for f in item.findings if f.message.startswith("changed since")] == [
+        f"{folder}/nested/mul.py"]
