@@ -156,12 +156,19 @@ def _freshness(root: Path, record: Record) -> Freshness:
                             "every source is a candidate", tuple(sources))
 
 
+def json_type(value: Any) -> str:
+    """A JSON value's type in JSON's words, for findings that say what a malformed field holds."""
+    names = {dict: "an object", list: "a list", str: "a string", bool: "a boolean", int: "a number",
+             float: "a number"}
+    return names.get(type(value), "null")
+
+
 def _not_a_record(item: Any) -> str | None:
     """Why a JSON value is not an evidence record, or None when it is one; a value that is not
     an object would otherwise be skipped without a word, hiding a broken file."""
     if not isinstance(item, dict):
-        what = {bool: "boolean", int: "number", float: "number", str: "string", list: "list"}
-        return f"not a record: a JSON {what.get(type(item), 'null')}, not an object with a `kind`"
+        what = "JSON null" if item is None else json_type(item).replace("a ", "a JSON ", 1)
+        return f"not a record: {what}, not an object with a `kind`"
     if not item.get("kind"):
         return "not an evidence record (no `kind`)"
     return None

@@ -17,7 +17,7 @@ slower-than-hoped kernel is a fact to report, not a defect.
 
 from __future__ import annotations
 
-from .evidence import EvidenceSet, Record, stale_findings
+from .evidence import EvidenceSet, Record, json_type, stale_findings
 from .items import FAIL, PASS, Finding, ItemResult
 
 TITLE_EVALS = "Long-context eval evidence exists and passed its gates"
@@ -30,10 +30,18 @@ def _target_text(target: dict) -> str:
 
 
 def _longest_context(records: list[Record]) -> int | None:
-    lengths = [v for r in records for res in r.results
-               for k, v in (res.get("shape") or {}).items()
-               if isinstance(v, int) and ("context" in k or k in ("ctx", "seq_len"))]
+    shapes = [res["shape"] for r in records for res in r.results if isinstance(res.get("shape"), dict)]
+    lengths = [v for shape in shapes for k, v in shape.items()
+               if type(v) is int and ("context" in k or k in ("ctx", "seq_len"))]  # a bool is no length
     return max(lengths) if lengths else None
+
+
+def _malformed_shapes(record: Record) -> list[Finding]:
+    """A result whose `shape` is not an object: its dimensions (the context length among them)
+    cannot be read, so the record says less than it seems to; named, never a traceback."""
+    return [Finding(f"result {str(r.get('name', '?'))!r}: `shape` is {json_type(r['shape'])}, not an object "
+                    "of named dimensions (e.g. {\"context\": 32768}): fix the record", record.rel)
+            for r in record.results if r.get("shape") is not None and not isinstance(r["shape"], dict)]
 
 
 def _failing_parity(record: Record) -> list[Finding]:
@@ -71,6 +79,7 @@ def check_evals(evidence: EvidenceSet) -> ItemResult:
     for record in records:
         findings += stale_findings(evidence, record)
         findings += _empty_eval(record)
+        findings += _malformed_shapes(record)
         failed = record.failed_results()
         if failed:
             findings.append(Finding(f"{len(failed)} failing result(s): {', '.join(failed[:8])}",

@@ -21,7 +21,7 @@ import ast
 import re
 from pathlib import Path
 
-from .evidence import EvidenceSet
+from .evidence import EvidenceSet, json_type
 from .gitrepo import ChangeSet
 from .items import FAIL, PASS, Finding, ItemResult
 from .model import ModelFolder
@@ -116,22 +116,37 @@ def _test_functions(tree: ast.Module):
                     yield node, item
 
 
-def covered_lines(evidence: EvidenceSet, rel: str) -> tuple[int, list[str], list[str]]:
-    """(executed lines in fresh coverage, fresh records carrying it, stale records carrying it)."""
-    best, fresh, stale = 0, [], []
+def _malformed_entry(key: str, entry: object) -> str | None:
+    """Why a `coverage.files` entry cannot be read, or None; a wrong type would otherwise
+    crash the review or count as no coverage without a word."""
+    if not isinstance(entry, dict):
+        return f"`coverage.files[{key}]` is {json_type(entry)}, not an object with `executed_lines`"
+    executed = entry.get("executed_lines", [])
+    if not isinstance(executed, list):
+        return f"`coverage.files[{key}].executed_lines` is {json_type(executed)}, not a list of line numbers"
+    return None
+
+
+def covered_lines(evidence: EvidenceSet, rel: str) -> tuple[int, list[str], list[str], list[Finding]]:
+    """(executed lines in fresh coverage, fresh records carrying it, stale records carrying it,
+    malformed coverage entries of it)."""
+    best, fresh, stale, malformed = 0, [], [], []
     for record in evidence.records:
         files = record.data.get("coverage", {})
         files = files.get("files", {}) if isinstance(files, dict) else {}
         for key, entry in files.items() if isinstance(files, dict) else []:
             if key != rel and not str(key).endswith("/" + rel):
                 continue
-            executed = entry.get("executed_lines", []) if isinstance(entry, dict) else []
-            if evidence.freshness(record).fresh:
+            why = _malformed_entry(key, entry)
+            if why:
+                malformed.append(Finding(f"{why}: rewrite the record (fast-track record-coverage writes "
+                                         "the `coverage json` shape)", record.rel))
+            elif evidence.freshness(record).fresh:
                 fresh.append(record.label)
-                best = max(best, len(executed))
+                best = max(best, len(entry.get("executed_lines", [])))
             else:
                 stale.append(record.label)
-    return best, fresh, stale
+    return best, fresh, stale, malformed
 
 
 def check_kernel_tests(model: ModelFolder, changes: ChangeSet, evidence: EvidenceSet) -> ItemResult:
@@ -145,8 +160,8 @@ def check_kernel_tests(model: ModelFolder, changes: ChangeSet, evidence: Evidenc
     for rel in changed:
         stem = Path(rel).stem
         good, near = gpu_tests_naming(model, stem)
-        executed, fresh, stale = covered_lines(evidence, rel)
-        problems = []
+        executed, fresh, stale, malformed = covered_lines(evidence, rel)
+        problems = list(malformed)
         if not good:
             problems.append(Finding("no GPU test names this kernel and asserts the path counters"
                                     + ("; near misses follow" if near else ""), rel))

@@ -85,3 +85,14 @@ def test_an_eval_with_no_results_or_no_targets_fails(repo):
     messages = [(f.path, f.message) for f in item.findings]
     assert any(p == EVAL and m.startswith("no `results`") for p, m in messages)
     assert any(p == EVAL and m.startswith("no `targets`") for p, m in messages)
+
+
+def test_a_shape_that_is_not_an_object_is_a_finding_not_a_traceback(repo):
+    """An eval result's `shape` is an object of named dimensions; a string or a list names the
+    record, the result and the field instead of crashing the review."""
+    for shape, what in (("65536", "a string"), ([65536], "a list")):
+        _patch(repo, EVAL, results=[{"name": "mrcr", "shape": shape, "status": "pass"}])
+        item = review_items(repo.root)["evals"]
+        assert item.status == FAIL and "no context length recorded" in item.summary
+        found = [f for f in item.findings if f.path == EVAL]
+        assert found and found[0].message.startswith(f"result 'mrcr': `shape` is {what}, not an object")

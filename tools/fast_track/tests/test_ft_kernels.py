@@ -98,3 +98,14 @@ def test_record_coverage_refuses_a_report_without_kernels(repo, capsys):
     finally:
         os.chdir(cwd)
     assert "covers no file under vllm/models/toy/acme/kernels/" in capsys.readouterr().err
+
+
+def test_malformed_executed_lines_is_a_finding_not_a_traceback(repo):
+    """`executed_lines` must be a list of line numbers; anything else names the record and field."""
+    record = json.loads((repo.root / COVERAGE).read_text())
+    record["coverage"]["files"][KERNEL]["executed_lines"] = 7
+    (repo.root / COVERAGE).write_text(json.dumps(record))
+    item = review_items(repo.root)["kernel-tests"]
+    assert item.status == FAIL
+    found = [f for f in item.findings if f.path == COVERAGE]
+    assert found and f"`coverage.files[{KERNEL}].executed_lines` is a number" in found[0].message
