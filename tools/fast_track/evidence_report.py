@@ -5,7 +5,8 @@ it, linked relative to `out`), so the committed report can be compared with a fr
 rendering: item `evidence-report` fails when docs/fast_track/<model>_evidence.md is
 missing or differs. Freshness is not rendered (it changes with every source edit);
 `fast-track check` judges it. Per record: what ran and where, then one row per result
-with every figure the results carry, then the targets met or missed.
+with every figure the results carry, then the targets met or missed. The summary counts
+results by status: pass, fail, and, where present, skip and other, never lumped together.
 """
 
 from __future__ import annotations
@@ -49,13 +50,23 @@ def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
     return lines
 
 
+def _status_counts(record: Record) -> str:
+    """`N pass / M fail`, then `K skip` and `J other` (any other or no status) where there are
+    some: a skipped test neither passed nor failed, so it is not counted as a failure; records
+    without skips read as they always have, so their rendering does not change."""
+    statuses = [r.get("status") for r in record.results]
+    counts = {s: sum(x == s for x in statuses) for s in ("pass", "fail", "skip")}
+    other = len(statuses) - sum(counts.values())
+    text = f"{counts['pass']} pass / {counts['fail']} fail"
+    text += f" / {counts['skip']} skip" if counts["skip"] else ""
+    return text + (f" / {other} other" if other else "")
+
+
 def _summary_row(record: Record) -> list[Any]:
-    results = record.results
-    passed = sum(r.get("status") == "pass" for r in results)
     met = sum(t.get("met") is True for t in record.targets)
     return [f"`{record.label}`", record.kind, record.data.get("family"), record.data.get("gpu"),
             record.data.get("compute_capability"), str(record.data.get("commit", ""))[:12],
-            len(record.sources), f"{passed} pass / {len(results) - passed} fail",
+            len(record.sources), _status_counts(record),
             f"{met} met / {len(record.targets) - met} missed" if record.targets else "—"]
 
 

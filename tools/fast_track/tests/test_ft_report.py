@@ -101,3 +101,23 @@ def test_the_checker_imports_nothing_of_any_model_nor_torch():
         names = [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         names += [n.module or "" for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.level == 0]
         assert not [n for n in names if n.split(".")[0] in ("vllm", "torch")], path.name
+
+
+def test_the_evidence_report_counts_skips_and_other_statuses_apart_from_failures(repo):
+    """A skipped test did not fail: the summary row counts pass, fail, skip and any other status
+    apart (a record with only passes and failures reads as before)."""
+    import json
+
+    from ..evidence_report import render
+    from ..model import ModelFolder
+
+    rel = f"{MODEL}/evidence/h200/parity.json"
+    record = json.loads((repo.root / rel).read_text())
+    record["results"] = [{"name": "a", "status": "pass"}, {"name": "b", "status": "fail"},
+                         {"name": "c", "status": "skip"}, {"name": "d", "status": "skip"},
+                         {"name": "e", "status": "xfail"}, {"name": "f"}]
+    (repo.root / rel).write_text(json.dumps(record))
+    text = render(ModelFolder(repo.root, MODEL), repo.root / "docs/fast_track/toy_evidence.md")
+    row = next(line for line in text.splitlines() if line.startswith(f"| `{rel}` |"))
+    assert "| 1 pass / 1 fail / 2 skip / 2 other |" in row
+    assert "| 1 pass / 0 fail |" in next(line for line in text.splitlines() if "decode.json` |" in line)
