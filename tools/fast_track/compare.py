@@ -13,10 +13,10 @@ two): their median ratio is that drift, each case's ratio is also given divided 
 case is flagged only where it moved further than every control did. Without controls nothing
 is flagged, since the drift is unknown. A diagnostic: it exits 0 whatever it flags.
 
-Only passing cases with a finite positive time are compared; the others are listed as not
-compared, with the record they failed in. Timings from different GPUs, records of different
-kinds or families, and a record that names a case twice are refused: their ratios would mean
-nothing.
+Only passing cases with a finite positive time (a number, never a boolean) are compared;
+the others are listed as not compared, with the record they failed in. Timings from
+different GPUs, records of different kinds or families, and a record that names a case
+twice are refused: their ratios would mean nothing.
 """
 
 from __future__ import annotations
@@ -80,6 +80,12 @@ def load(root: Path, spec: str) -> dict[str, Any]:
     return data
 
 
+def _is_time(value: Any) -> bool:
+    """A finite positive number; a JSON `true` is a Python bool, an int, and would read as 1."""
+    return (isinstance(value, (int, float)) and not isinstance(value, bool)
+            and math.isfinite(value) and value > 0)
+
+
 def compare(before: dict[str, Any], after: dict[str, Any], field: str = "time_us",
             control: Pattern[str] | None = None) -> Comparison:
     for key in ("kind", "family", "gpu"):
@@ -102,7 +108,7 @@ def compare(before: dict[str, Any], after: dict[str, Any], field: str = "time_us
             value = r.get(field)
             if r.get("status", "pass") != "pass":
                 why = f"{r.get('status')} in the {which} record"
-            elif not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+            elif not _is_time(value):
                 why = f"no finite positive `{field}` in the {which} record"
             else:
                 out[name] = float(value)

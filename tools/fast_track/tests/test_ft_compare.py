@@ -113,3 +113,12 @@ def test_the_cli_names_what_it_cannot_read(repo, monkeypatch, capsys, tmp_path):
     assert "cannot read record" in capsys.readouterr().err
     assert main(["compare", f"HEAD:{BENCH}", str(bad)]) == 2  # not at that ref
     assert "git show" in capsys.readouterr().err
+
+
+def test_a_boolean_time_is_not_a_time():
+    """JSON `true` is a Python bool, which is an int: it must not compare as 1.0 µs."""
+    before = {"ok": 10.0, "flag": True, "c1": 1.0, "c2": 1.0}
+    after = {"ok": 11.0, "flag": 2.0, "c1": 1.0, "c2": 1.0}
+    c = compare(record(before), record(after), control=re.compile("^c"))
+    assert [r.name for r in c.rows] == ["ok", "c1", "c2"]
+    assert c.not_compared == {"flag": "no finite positive `time_us` in the first record"}
