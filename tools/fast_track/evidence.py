@@ -20,10 +20,17 @@ folder there stands for every `.py` file below it, while `sources` lists the fil
 at the run. The folder is expanded again here, and a record whose folders now hold other
 `.py` files (one added, or one removed) is stale and names them: the hash alone covers
 only the files that existed at the run, so a new file would pass unmeasured.
+
+A kernel source also stands for the files of its own folder it imports (`from .device import
+facts`), transitively: records list the kernel files, while the device facts, the shared loaders
+and the split-K store they import are part of what ran. Such an import that changed since the
+record's `commit` stales the record and is named. Where git cannot tell (the commit is not in a
+shallow clone), only the listed sources are judged.
 """
 
 from __future__ import annotations
 
+import ast
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -54,6 +61,34 @@ def py_files_under(root: Path, folder: str) -> list[str]:
     (records.py expands a folder with this at the run; freshness expands it again)."""
     return sorted(p.relative_to(root).as_posix() for p in (root / folder).rglob("*.py")
                   if "__pycache__" not in p.parts)
+
+
+def _package_imports(root: Path, rel: str) -> list[str]:
+    """The repository-relative files of `rel`'s own folder that it imports relatively."""
+    folder = Path(rel).parent
+    try:
+        tree = ast.parse((root / rel).read_text())
+    except (OSError, SyntaxError, ValueError):
+        return []
+    names = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.level == 1:
+            names += [node.module] if node.module else [a.name for a in node.names]
+    found = [(folder / name.replace(".", "/")).with_suffix(".py").as_posix() for name in names]
+    return [f for f in found if (root / f).is_file()]
+
+
+def kernel_imports(root: Path, sources: list[str]) -> list[str]:
+    """The files the `kernels/` among `sources` import from their own folder, transitively, that
+    `sources` does not list."""
+    todo = [s for s in sources if Path(s).parent.name == "kernels" and s.endswith(".py")]
+    seen = set(todo)
+    while todo:
+        for found in _package_imports(root, todo.pop()):
+            if found not in seen:
+                seen.add(found)
+                todo.append(found)
+    return sorted(seen - set(sources))
 
 
 @dataclass(frozen=True)
@@ -142,6 +177,11 @@ def _freshness(root: Path, record: Record) -> Freshness:
     if missing:
         return Freshness(False, "stale: sources no longer exist", tuple(missing))
     if source_hash(root, sources) == recorded:
+        imported = kernel_imports(root, sources)
+        changed = changed_since(root, str(record.data.get("commit", "")), imported) if imported else None
+        if changed:
+            return Freshness(False, f"stale: files its kernels import changed since commit "
+                                    f"{str(record.data['commit'])[:12]}", tuple(changed))
         return Freshness(True)
     per_file = record.data.get("source_hashes")
     if isinstance(per_file, dict):

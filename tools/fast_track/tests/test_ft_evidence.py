@@ -145,3 +145,25 @@ def test_a_file_added_to_a_source_folder_makes_the_record_stale(repo):
     assert stale and stale[0].startswith("stale:") and f"added: {folder}/nested/mul.py" in stale[0]
     assert [f.path for f in item.findings if f.message.startswith("changed since")] == [
         f"{folder}/nested/mul.py"]
+
+
+def test_a_changed_import_of_a_kernel_stales_its_records(repo):
+    """A record lists the kernel file; the helper it imports from its own folder is measured too."""
+    kernel = repo.root / KERNEL
+    kernel.write_text(kernel.read_text() + "\nfrom .rows import ROWS  # noqa: E402\n")
+    repo.commit("the kernel takes its rows from the shared helper")
+    record = _load(repo, PARITY)
+    record.update(commit=repo.git("rev-parse", "HEAD"),
+                  source_hash=sha256_of_sources(repo.root, record["sources"]))
+    _store(repo, PARITY, record)
+    repo.render_report()
+    repo.commit("parity made again")
+    assert review_items(repo.root)["evidence-fresh"].status == PASS
+    helper = repo.root / f"{MODEL}/kernels/rows.py"
+    helper.write_text(helper.read_text() + "ROWS = (1, 2)\n")
+    item = review_items(repo.root)["evidence-fresh"]
+    assert item.status == FAIL
+    stale = [f for f in item.findings if f.path == PARITY and f.message.startswith("stale")]
+    assert stale and "files its kernels import changed" in stale[0].message
+    changed = [f.path for f in item.findings if f.message.startswith("changed since")]
+    assert changed == [f"{MODEL}/kernels/rows.py"]
