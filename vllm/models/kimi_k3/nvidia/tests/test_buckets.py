@@ -55,3 +55,24 @@ def test_padding_refuses_mixed_steps():
         pad_to_bucket([st.segment(r, 0, 3, prefill=True)], 2, 8, st)
     with pytest.raises(ValueError, match="cannot be padded"):
         pad_to_bucket([st.segment(r, 0, 2, prefill=False)], 2, 7, st)
+
+
+def test_padding_refuses_a_decode_request_of_another_token_count():
+    """A decode request of 3 tokens in a 2-token step is refused as such, not reported as a row
+    count that does not fill the bucket."""
+    st = mini_model(seed=0).new_state(max_requests=1, max_len=16, max_q=3)
+    r = st.allocate()
+    with pytest.raises(ValueError, match="only pure decode steps of 2 tokens"):
+        pad_to_bucket([st.segment(r, 0, 3, prefill=False)], 2, 8, st)
+
+
+@pytest.mark.parametrize("q, requests, bucket", [(1, 1, 2), (1, 3, 8), (2, 3, 16), (4, 1, 8), (4, 3, 16)])
+def test_padding_fills_the_bucket_exactly_with_q_token_dummies(q, requests, bucket):
+    """The padded step holds exactly `bucket` rows, in order, each dummy q tokens: one dummy short,
+    the graph would read rows no segment wrote."""
+    st = mini_model(seed=0).new_state(max_requests=3, max_len=16, max_q=q)
+    slots = [st.allocate() for _ in range(requests)]
+    segs = pad_to_bucket([st.segment(r, j * q, q, prefill=False) for j, r in enumerate(slots)], q, bucket, st)
+    assert sum(s.n for s in segs) == bucket
+    assert [s.row0 for s in segs] == list(range(0, bucket, q)) and {s.n for s in segs} == {q}
+    assert [s.request for s in segs[requests:]] == [-1] * ((bucket - requests * q) // q)

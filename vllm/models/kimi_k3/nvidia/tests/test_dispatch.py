@@ -369,3 +369,17 @@ def test_scope_cli_bad_input_exits_2(capsys, tmp_path):
     bad.write_text("schema_version: 1\n")
     rc, _, err = scope_cmd(["--scope", str(bad)], capsys)
     assert rc == 2 and f"{bad}: model: expected the required key 'model'" in err
+
+
+def test_reset_returns_the_counters_to_a_fresh_state():
+    """After reset every count is zero, "admitted but served standard" included, so a second
+    measurement never carries the first one's steps."""
+    c = PathCounters()
+    c.record_route(Route("specialized", "in envelope e", "e"))
+    c.record_route(Route("standard", NOT_BUILT_REASON, "e"))
+    c.record_route(Route("standard", "rows 9 not in [1..8]"))
+    c.record_kernels(["skinny_gemm", "rms_norm"])
+    assert c.as_dict()["admitted_on_standard"] == 1
+    c.reset()
+    assert c.as_dict() == PathCounters().as_dict()
+    assert c.summary() == PathCounters().summary()

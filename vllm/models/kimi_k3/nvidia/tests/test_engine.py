@@ -193,3 +193,17 @@ def test_a_grammar_ends_its_request_without_eos_among_the_stop_tokens(model):
     (c,) = Engine(model, max_requests=1, max_len=64).generate([Request(TOK.encode("q:"), p)])
     assert c.finish_reason == "stop" and c.output_ids[-1] == TOK.EOS and len(c.output_ids) == 4
     assert re.fullmatch(r"ab[0-9]", TOK.decode(c.output_ids))
+
+
+def test_a_sampled_token_the_grammar_rejects_is_an_error():
+    """Output the grammar cannot continue (a token sampled without its mask) raises at once,
+    rather than the matcher silently skipping it and masking later tokens for the wrong text."""
+    pytest.importorskip("xgrammar", reason="structured output needs xgrammar ([test] extra)")
+    from vllm.models.kimi_k3.nvidia.latency_specialized.structured import GrammarConstraint
+
+    grammar = GrammarConstraint.regex(r"ab", 320)
+    assert grammar([ord("a")])[ord("b")]
+    with pytest.raises(RuntimeError, match=f"token {ord('c')} was sampled but the grammar rejects it"):
+        grammar([ord("a"), ord("c")])
+    with pytest.raises(RuntimeError, match="grammar rejects"):
+        GrammarConstraint.regex(r"ab", 320)([ord("x")])

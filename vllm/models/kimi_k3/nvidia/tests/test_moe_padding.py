@@ -60,3 +60,15 @@ def test_padded_experts_compute_the_unpadded_result(mini):
     got = ref_moe._routed_latent(p, cfg, dataclasses.replace(model.shard, moe_inter=64), x_pad, weights, ids)
     assert torch.equal(x_pad[:, 64:], torch.zeros_like(x_pad[:, 64:]))
     assert torch.equal(got[:, :64], want) and not got[:, 64:].any()
+
+
+def test_expert_count_alone_is_padded():
+    """40 experts with latent 128 and intermediate 64 (both already at the granularity) still need
+    their router padded to 64 rows: the expert count alone decides that a copy is made."""
+    model = mini_model(seed=3, num_experts=40, routed_expert_hidden_size=128, moe_intermediate_size=64)
+    w = next(lw.mlp for lw in model.w.layers if isinstance(lw.mlp, ref_moe.MoEWeights))
+    assert w.router.shape[0] == 40 and w.w13.shape == (40, 128, 128) and w.w2.shape == (40, 128, 64)
+    p = pad_moe(w)
+    assert p is not w and p.router.shape[0] == 64 and p.bias.shape == (64,)
+    assert torch.equal(p.router[:40], w.router) and not p.router[40:].any() and torch.isneginf(p.bias[40:]).all()
+    assert torch.equal(p.w13, w.w13) and torch.equal(p.w2, w.w2)  # nothing else grows

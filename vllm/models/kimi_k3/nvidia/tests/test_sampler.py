@@ -73,3 +73,39 @@ def test_a_tiny_temperature_is_raised_as_vllm_raises_it_and_samples():
     assert p.temperature == MIN_TEMPERATURE == 1e-2
     x = torch.randn(50) * 30
     assert sample(x[None], [p], [torch.Generator().manual_seed(0)], [[]]) == [int(torch.argmax(x))]
+
+
+@pytest.mark.parametrize("t", [0.5, 2.0])
+def test_temperature_divides_the_logits_before_the_softmax(t):
+    """With top-k and top-p off, the distribution drawn from is softmax(logits / T): a filter
+    test at T = 1 cannot tell a forgotten division."""
+    x = _logits(seed=3)
+    got = torch.softmax(filter_logits(x, SamplingParams(temperature=t)), -1)
+    assert torch.allclose(got, torch.softmax(x / t, -1), atol=1e-6)
+    assert not torch.allclose(got, torch.softmax(x, -1), atol=1e-3)
+
+
+@pytest.mark.parametrize("t", [0.5, 2.0])
+def test_top_p_counts_the_mass_of_the_tempered_distribution(t):
+    """Top-p keeps the smallest prefix reaching p of softmax(logits / T), not of softmax(logits):
+    at T = 2 the flatter distribution needs more tokens, at T = 0.5 fewer."""
+    x, p = _logits(seed=1), 0.6
+
+    def prefix(probs):
+        order = torch.argsort(probs, descending=True)
+        return order[:int((probs[order].cumsum(0) < p).sum()) + 1]
+
+    want = prefix(torch.softmax(x / t, -1))
+    assert len(want) != len(prefix(torch.softmax(x, -1)))  # else this T would not tell them apart
+    kept = torch.isfinite(filter_logits(x, SamplingParams(temperature=t, top_p=p)))
+    assert kept.sum() == len(want) and kept[want].all()
+
+
+def test_a_tiny_temperature_samples_rather_than_taking_the_argmax():
+    """A positive temperature below 1e-2 is raised to it, not treated as greedy: two logits
+    0.005 apart are 0.5 apart once divided by 1e-2, so over a few seeds both are drawn."""
+    x = torch.full((50,), -10.0)
+    x[3], x[7] = 1.0, 1.005
+    p = SamplingParams(temperature=1e-5)
+    drawn = {sample(x[None], [p], [torch.Generator().manual_seed(s)], [[]])[0] for s in range(20)}
+    assert drawn == {3, 7}

@@ -404,3 +404,12 @@ def test_format_ints_collapses_runs():
     assert format_ints([1, 2, 3, 4, 5, 6, 7, 8, 16, 32, 64]) == "[1..8, 16, 32, 64]"
     assert format_ints([1, 8, 16]) == "[1, 8, 16]"
     assert format_ints([4, 5, 9]) == "[4, 5, 9]"
+
+
+def test_a_gpu_is_matched_by_its_whole_name_not_a_substring(scope):
+    """An NVIDIA GH200 at sm_90 contains "H200" but is not the H200 the envelope validated:
+    it is out of scope, while the H200 under its full device name is admitted."""
+    v = scope.admits(h200(gpu="NVIDIA GH200 480GB", compute_capability="9.0"), allow_unvalidated=True)
+    assert not v and v.envelopes == ()
+    assert v.reasons[0] == "GPU NVIDIA GH200 480GB (sm_90) not in scope [GB300 sm_103, H200 sm_90, H100 sm_90]"
+    assert scope.admits(h200(gpu="NVIDIA H200"), allow_unvalidated=True).envelope.name == "h200-validation"
