@@ -394,7 +394,11 @@ def main(argv: list[str] | None = None) -> int:
     if len(models) != 1:
         sys.exit(f"h200_refresh: {len(models)} model folders here; pass --model DIR")
     (model,) = models
-    records = by_priority(gpu_records(stale_records(model)) if args.card is None else card_records(model, args.card))
+    stale, unreadable = stale_records(model)
+    if unreadable:  # no command can be read from such a file, so no step would ever make it again
+        sys.exit("h200_refresh: evidence files that hold no readable record; fix or remove them first:\n"
+                 + "\n".join(f"  {p.path}: {p.message}" for p in unreadable))
+    records = by_priority(gpu_records(stale) if args.card is None else card_records(model, args.card))
     if args.evidence is not None:
         folder = (Path.cwd() / args.evidence).resolve()
         if not folder.is_dir():

@@ -273,6 +273,23 @@ def test_on_one_card_its_stale_records_and_those_only_other_cards_have_are_made(
         "m/evidence/h100/a.json", "m/evidence/h100/c.json", "m/evidence/h200/b.json"]
 
 
+def test_main_lists_every_stale_record_and_refuses_an_unreadable_one(tmp_path, monkeypatch, capsys):
+    """With no --card, every stale GPU record gets a step; an evidence file that holds no record
+    stops the refresh by name, since no step could ever make it again."""
+    (tmp_path / "m" / "evidence" / "h200").mkdir(parents=True)
+    (tmp_path / "m" / "SCOPE.yaml").write_text("model: m\n")
+    (tmp_path / "m" / "k.py").write_text("x = 1\n")
+    (tmp_path / "m" / "evidence" / "h200" / "a.json").write_text(json.dumps({
+        "kind": "kernel-test", "command": "pytest -m gpu m/tests/test_a.py", "gpu": "NVIDIA H200",
+        "sources": ["m/k.py"], "source_hash": "0" * 64}))
+    monkeypatch.chdir(tmp_path)
+    assert refresh.main(["--model", "m"]) == 0
+    assert "step a " in capsys.readouterr().out
+    (tmp_path / "m" / "evidence" / "h200" / "broken.json").write_text("{")
+    with pytest.raises(SystemExit, match="broken.json"):
+        refresh.main(["--model", "m"])
+
+
 def _run_script(script: list[str], tmp_path, timeout: float | None = None) -> str:
     """The script with a `step` that only says where it ran."""
     return subprocess.run(
