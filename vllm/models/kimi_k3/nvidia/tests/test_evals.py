@@ -2,6 +2,7 @@
 model against the reference, training steps, the checkpoint round trip, and the lm-eval
 adapter (skipped without lm-eval)."""
 
+import argparse
 import io
 import json
 import math
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from vllm.models.kimi_k3.nvidia.evals import harness, tasks
-from vllm.models.kimi_k3.nvidia.evals.tiny import TINY, TINY_DIR, has_checkpoint
+from vllm.models.kimi_k3.nvidia.evals.tiny import TINY, TINY_DIR, config_named, has_checkpoint
 from vllm.models.kimi_k3.nvidia.evals.train_model import TrainModel, chunked_delta_rule
 from vllm.models.kimi_k3.nvidia.evals.train_tiny import (Batches, DictSource, GraphedStep, TrainConfig, batch,
                                                           optimizer, save, sequence, set_lr, train_step,
@@ -297,13 +298,13 @@ def test_eval_cli_runs_and_explains_a_missing_checkpoint(tmp_path, capsys):
 
     out = tmp_path / "e.json"
     code = cli.main(["eval", "--config", "mini", "--random-weights", "0", "--tasks", "arith", "--lengths", "100",
-                     "--samples", "1", "--logit-samples", "0", "--parity-runs", "0", "--out", str(out)])
+                     "--samples", "1", "--logit-samples", "1", "--parity-runs", "0", "--out", str(out)])
     assert code == 0 and json.loads(out.read_text())["kind"] == "eval"
     assert "| arith | 100 |" in capsys.readouterr().out
     # on a CPU the specialized side runs the reference ops: no yardstick unless asked for
     assert not json.loads(out.read_text())["yardstick"]
     code = cli.main(["eval", "--config", "mini", "--random-weights", "0", "--tasks", "arith", "--lengths", "100",
-                     "--samples", "1", "--logit-samples", "0", "--parity-runs", "0", "--yardstick", "--out", str(out)])
+                     "--samples", "1", "--logit-samples", "1", "--parity-runs", "0", "--yardstick", "--out", str(out)])
     rec = json.loads(out.read_text())
     assert code in (0, 1) and rec["yardstick"] and rec["paths_served"]["yardstick"]["specialized"] > 0
     assert "yardstick_agreement" in next(r for r in rec["results"] if r["name"] == "arith@100/parity")
@@ -312,6 +313,122 @@ def test_eval_cli_runs_and_explains_a_missing_checkpoint(tmp_path, capsys):
     assert "--random-weights" in capsys.readouterr().err
     assert cli.main(["eval", "--config", "mini", "--random-weights", "0", "--lengths", "5"]) == 2
     assert "too short" in capsys.readouterr().err
+
+
+_WIRING = ["eval", "--config", "mini", "--random-weights", "0", "--tasks", "arith", "--lengths", "100",
+           "--samples", "1", "--parity-runs", "0"]
+
+
+def _both_entry_points():
+    """`python -m vllm.models.kimi_k3.nvidia.evals.cli` and `k3-decode`, as their `main`s."""
+    from vllm.models.kimi_k3.nvidia.evals import cli
+    from vllm.models.kimi_k3.nvidia.latency_specialized import cli as k3_decode
+
+    return cli.main, k3_decode.main
+
+
+def _nothing_loads(monkeypatch):
+    """Refusals come at argument time: building a prompt or loading weights fails the test."""
+    from vllm.models.kimi_k3.nvidia.latency_specialized import weights
+
+    def loaded(*a, **k):
+        raise AssertionError("the eval went on to build prompts or load weights")
+
+    monkeypatch.setattr(tasks, "make", loaded)
+    monkeypatch.setattr(weights, "load_rank", loaded)
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--logit-samples", "0", "compares no step"),  # 0 would report an unmeasured KL of 0 as met
+    ("--logit-samples", "-1", "compares no step"),
+    ("--parity-runs", "-1", "0 skips"),
+    ("--samples", "0", "at least 1"),
+    ("--batch", "0", "at least 1"),
+    ("--lengths", "0", "at least 1"),
+])
+def test_eval_cli_refuses_counts_it_cannot_run_naming_the_flag(flag, value, words, monkeypatch, capsys):
+    _nothing_loads(monkeypatch)
+    for main in _both_entry_points():
+        with pytest.raises(SystemExit) as e:
+            main(_WIRING + [flag, value])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and f"argument {flag}: " in err and words in err, err
+        assert f"found {value}" in err or f"found '{value}'" in err, err
+
+
+def test_eval_cli_refuses_weights_beside_random_weights(monkeypatch, capsys):
+    _nothing_loads(monkeypatch)
+    for main in _both_entry_points():
+        assert main(_WIRING + ["--weights", str(TINY_DIR)]) == 2
+        err = capsys.readouterr().err
+        assert "--weights" in err and "--random-weights" in err and "would ignore the checkpoint" in err, err
+
+
+def test_eval_cli_reports_a_mismatched_checkpoint_without_a_traceback(capsys):
+    """The tiny checkpoint under the mini config: one error line and exit 2 from both entry points."""
+    for main in _both_entry_points():
+        assert main(["eval", "--config", "mini", "--weights", str(TINY_DIR), "--tasks", "arith",
+                     "--lengths", "100"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: tensor ") and "embed_tokens" in err and "Traceback" not in err, err
+
+
+def test_eval_cli_refuses_a_length_that_cannot_fit_before_building_prompts(monkeypatch, capsys):
+    from vllm.models.kimi_k3.nvidia.evals import cli
+
+    _nothing_loads(monkeypatch)
+    for main in _both_entry_points():  # the reviewer's command: 32 GB for one MLA layer's cache alone
+        assert main(["eval", "--config", "mini", "--random-weights", "0", "--tasks", "kv",
+                     "--lengths", "99999999", "--samples", "1"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: --lengths 99999999 with --batch 4 needs at least ") and "Pass shorter" in err
+        assert "2 states of 4 requests x 100000255 tokens" in err, err
+    # the bound is this machine's memory: a length whose footprint it holds passes the check
+    monkeypatch.setattr(cli, "_memory", lambda device: (1 << 30, "a 1 GiB stand-in"))
+    need = cli.footprint(config_named("mini"), 2000, 2256, 4, 2)["total"]
+    assert need < 1 << 30 and cli.footprint(config_named("mini"), 8000, 8256, 4, 2)["total"] > 1 << 30
+    args = cli.add_parser(argparse.ArgumentParser().add_subparsers()).parse_args(
+        ["--config", "mini", "--random-weights", "0", "--lengths", "2000"])
+    assert cli._memory_refusal(args, config_named("mini")) is None
+    args.lengths = (8000,)
+    assert "a 1 GiB stand-in (1 GiB)" in cli._memory_refusal(args, config_named("mini"))
+
+
+@pytest.mark.parametrize("name", ["mini", "tiny"])
+def test_the_eval_footprint_counts_the_decode_states_bytes(name):
+    """`state_bytes` against a DecodeState of the same shape built on the meta device (no memory)."""
+    from vllm.models.kimi_k3.nvidia.evals import cli
+    from vllm.models.kimi_k3.nvidia.reference.state import DecodeState
+
+    cfg = config_named(name)
+    for requests, max_len in ((1, 100), (4, 1280), (3, 4097)):
+        st = DecodeState(cfg, cfg.shard(1, 0), max_requests=requests, max_len=max_len, device="meta")
+        pools = [t for layer in st.kda.values() for t in (layer.rec, layer.conv)]
+        pools += [layer.cache for layer in st.mla.values()]
+        assert cli.state_bytes(cfg, requests, max_len) == sum(t.numel() * t.element_size() for t in pools)
+    # the naive prefill's scores: three fp64 copies on a CPU (fp32 on CUDA) and a bool mask
+    heads = cfg.shard(1, 0).mla_heads
+    assert cli.footprint(cfg, 1000, 1256, 4, 3)["scores"] == heads * 1000 * 1000 * (3 * 8 + 1)
+    assert cli.footprint(cfg, 1000, 1256, 4, 3, "cuda")["scores"] == heads * 1000 * 1000 * (3 * 4 + 1)
+
+
+def test_eval_cli_warns_when_no_logit_step_was_forced(monkeypatch, capsys):
+    """A sample whose standard output is one token forces no decode step; its KL of 0 measured
+    nothing, and the run says so."""
+    from vllm.models.kimi_k3.nvidia.evals import cli
+
+    real = harness.evaluate
+
+    def one_token_outputs(*a, **k):
+        record = real(*a, **k)
+        for r in record["results"]:
+            if r["name"].endswith("/parity"):
+                r["forced_steps"] = 0
+        return record
+
+    monkeypatch.setattr(harness, "evaluate", one_token_outputs)
+    assert cli.main(_WIRING) in (0, 1)
+    assert "warning: arith@100: no decode step was teacher-forced" in capsys.readouterr().err
 
 
 def test_the_shipped_tiny_checkpoint_retrieves_keys_from_a_long_context(tmp_path):
@@ -323,7 +440,7 @@ def test_the_shipped_tiny_checkpoint_retrieves_keys_from_a_long_context(tmp_path
 
     assert has_checkpoint(), f"the tiny checkpoint is missing from {TINY_DIR}"
     out = tmp_path / "e.json"
-    assert cli.main(["eval", "--tasks", "kv", "--lengths", "1024", "--samples", "4", "--logit-samples", "0",
+    assert cli.main(["eval", "--tasks", "kv", "--lengths", "1024", "--samples", "4", "--logit-samples", "1",
                      "--parity-runs", "0", "--out", str(out)]) == 0
     record = json.loads(out.read_text())
     accuracy = {r["path"]: r["accuracy"] for r in record["results"] if "accuracy" in r}
