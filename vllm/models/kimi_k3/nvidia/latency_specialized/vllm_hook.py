@@ -60,7 +60,7 @@ from .config import ConfigError, K3TextConfig
 from .deployment import Deployment, StepFacts
 from .dispatch import (BACKEND_LOG, OUT_OF_SCOPE_REASON, STANDARD, Dispatcher, PathCounters,
                        Route)
-from .options import ACCEPTED_KEYS, BackendOptions
+from .options import ACCEPTED_KEYS, BackendOptions, refuse_misspelt_keys
 from .scope import ScopeError
 from ..reference.collective import Collective, SingleRank
 from ..reference.model import ReferenceModel
@@ -116,10 +116,12 @@ def split_additional_config(extra: Any) -> tuple[BackendOptions, Any]:
 
     Only this backend's keys are parsed (vLLM's own, e.g. `kda_decode_backend`, pass
     through untouched); they are removed from upstream's view, so upstream's model
-    reads `decode_backend` as `auto`.
+    reads `decode_backend` as `auto`. A key that looks like one of ours misspelt is
+    refused: passed through, it would leave the backend off without a word.
     """
     if not isinstance(extra, Mapping):
         return BackendOptions(), extra
+    refuse_misspelt_keys(extra)
     options = BackendOptions.parse({k: extra[k] for k in ACCEPTED_KEYS if k in extra})
     return options, {k: v for k, v in extra.items() if k not in ACCEPTED_KEYS}
 

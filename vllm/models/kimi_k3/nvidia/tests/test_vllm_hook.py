@@ -120,6 +120,26 @@ def test_bad_values_of_our_keys_are_refused_by_name(extra, message):
         hook.split_additional_config(extra)
 
 
+@pytest.mark.parametrize("extra, ours", [
+    ({"decode_backnd": "latency_specialized"}, "decode_backend"),
+    ({"Decode-Backend": "latency_specialized"}, "decode_backend"),
+    ({"decode_backend": "latency_specialized", "strict_scop": True}, "strict_scope"),
+    ({"decode_backend": "latency_specialized", "allow_unvalidate": True}, "allow_unvalidated"),
+])
+def test_a_misspelt_key_of_ours_is_refused_not_passed_to_vllm(extra, ours):
+    """Passed through, vLLM would ignore it and the backend would stay off (or not strict) silently."""
+    typo = next(k for k in extra if k != "decode_backend")
+    with pytest.raises(ValueError, match=rf"key '{typo}' is not a key of .*did you mean '{ours}'.*spell it"):
+        hook.split_additional_config(extra)
+
+
+def test_vllms_own_keys_near_ours_still_pass_through():
+    vllm_keys = {"kda_decode_backend": "triton", "glm53_kda_decode_backend": "auto",
+                 "kda_prefill_backend": "flashkda", "moe_backend": "triton", "mla_core": "auto"}
+    options, upstream = hook.split_additional_config({"decode_backend": "latency_specialized", **vllm_keys})
+    assert options.requested and upstream == vllm_keys
+
+
 # ---------------------------------------------------------------------------- step facts
 
 
