@@ -76,6 +76,17 @@ def _weights_source(args: argparse.Namespace, cfg):
     return RandomSource(cfg, seed=args.seed)
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """A JSON object's pairs -> dict, refusing a repeated key (json keeps the last one silently)."""
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"--additional-config gives the key {key!r} twice ({out[key]!r}, then "
+                             f"{value!r}); give each key once")
+        out[key] = value
+    return out
+
+
 def _generate(args: argparse.Namespace) -> int:
     from ..reference.model import ReferenceModel
     from .deployment import Deployment
@@ -91,7 +102,7 @@ def _generate(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        extra = json.loads(args.additional_config)
+        extra = json.loads(args.additional_config, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as e:
         print(f"error: --additional-config is not valid JSON ({e})", file=sys.stderr)
         return 2

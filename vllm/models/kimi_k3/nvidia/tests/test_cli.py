@@ -50,6 +50,15 @@ def test_bad_inputs_are_clear_errors(capsys):
     assert "not valid JSON" in capsys.readouterr().err
 
 
+def test_a_key_given_twice_in_additional_config_is_refused_by_name(capsys):
+    """json keeps the last value silently: "auto" then "latency_specialized" would turn it on."""
+    rc = main(["generate", "--config", "mini", "--prompt", "x", "--max-tokens", "1", "--additional-config",
+               '{"decode_backend": "auto", "decode_backend": "latency_specialized"}'])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--additional-config gives the key 'decode_backend' twice ('auto', then 'latency_specialized')" in err
+
+
 def test_scope_on_this_cpu_machine_says_standard_serves(capsys):
     assert main(["scope"]) == 0
     out = capsys.readouterr().out
