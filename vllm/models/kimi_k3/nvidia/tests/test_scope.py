@@ -325,7 +325,17 @@ def test_context_beyond_the_envelope_is_a_per_step_caveat_not_a_refusal(scope):
     at_limit = scope.admits(h200(max_model_len=131072), allow_unvalidated=True)
     assert not any("context" in w for w in at_limit.warnings)
     beyond = scope.admits(h200(max_model_len=131073), allow_unvalidated=True)
-    assert beyond and "steps with context over 131072 run the standard path (max_model_len 131073)" in beyond.warnings
+    (caveat,) = [w for w in beyond.warnings if "context" in w]
+    assert beyond and caveat.startswith("steps with context over 131072 run the standard path (max_model_len 131073)")
+    assert "under vLLM that is every step" in caveat and "--max-model-len 131072 or less" in caveat
+
+
+def test_context_beyond_the_envelope_is_a_refusal_when_every_step_runs_at_max_model_len(scope):
+    """vLLM routes every step at max_model_len: a longer one admits no step, so the verdict is OFF."""
+    assert scope.admits(h200(max_model_len=131072), allow_unvalidated=True, steps_at_max_model_len=True)
+    beyond = scope.admits(h200(max_model_len=131073), allow_unvalidated=True, steps_at_max_model_len=True)
+    assert not beyond
+    assert any("max_model_len 131073 over context 131072" in r for r in beyond.reasons), beyond.reasons
 
 
 def test_every_unmet_requirement_of_every_envelope_is_reported(scope):

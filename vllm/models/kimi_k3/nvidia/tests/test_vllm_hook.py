@@ -344,6 +344,30 @@ def test_without_a_gpu_the_backend_is_off_and_says_why():
     assert backend.on_forward(None, 8, decode(8), graph_mode="NONE", capturing=False).reason == OUT_OF_SCOPE_REASON
 
 
+def test_a_max_model_len_over_the_envelopes_context_is_off_since_no_step_could_be_admitted(monkeypatch):
+    """Every step (and every graph capture) is routed at context max_model_len: with a longer one
+    the start-up line must say OFF and why, not ON with 'steps over ... run the standard path'."""
+    def on_h200(vllm_config, kda_dtypes):
+        return Deployment.describe(gpu="H200", tp=8, max_model_len=vllm_config.model_config.max_model_len,
+                                   expert_dtype="bfloat16")
+
+    monkeypatch.setattr(hook, "deployment_from_vllm_config", on_h200)
+    options = BackendOptions("latency_specialized", allow_unvalidated=True)
+    fits = hook.VllmBackend(vllm_config_standin(max_model_len=131072), options, tp=8, rank=0,
+                            kda_dtypes=KDA_DTYPES, log=TEST_LOG)
+    assert fits.router.enabled and "decode ON" in fits.startup_line
+    longer = hook.VllmBackend(vllm_config_standin(max_model_len=262144), options, tp=8, rank=0,
+                              kda_dtypes=KDA_DTYPES, log=TEST_LOG)
+    assert not longer.router.enabled and "decode OFF" in longer.startup_line, longer.startup_line
+    assert "max_model_len 262144 over context 131072" in longer.startup_line
+    assert "--max-model-len 131072 or less" in longer.startup_line
+    assert longer.on_forward(None, 8, decode(8), graph_mode="FULL", capturing=True).reason == OUT_OF_SCOPE_REASON
+    strict = BackendOptions("latency_specialized", strict_scope=True, allow_unvalidated=True)
+    with pytest.raises(ScopeError, match="strict_scope is set.*max_model_len 262144 over context 131072"):
+        hook.VllmBackend(vllm_config_standin(max_model_len=262144), strict, tp=8, rank=0,
+                         kda_dtypes=KDA_DTYPES, log=TEST_LOG)
+
+
 def test_vllm_features_outside_the_backend_turn_it_off_all_named_at_once():
     no_k3 = {k: v for k, v in CPU_CFG.to_hf_dict().items() if k != "linear_attn_config"}
     cfg = vllm_config_standin(pp=2, lora=object(), text=no_k3, quant=SimpleNamespace(get_name=lambda: "awq"))
