@@ -59,6 +59,13 @@ def test_a_key_given_twice_in_additional_config_is_refused_by_name(capsys):
     assert "--additional-config gives the key 'decode_backend' twice ('auto', then 'latency_specialized')" in err
 
 
+def test_weights_that_are_not_safetensors_are_a_clear_error(capsys, tmp_path):
+    bad = tmp_path / "w.safetensors"
+    bad.write_text("hello\n")
+    assert main(["generate", "--config", "mini", "--weights", str(bad), "--prompt", "x"]) == 2
+    assert f"error: {bad}: not a readable safetensors file" in capsys.readouterr().err
+
+
 def test_scope_on_this_cpu_machine_says_standard_serves(capsys):
     assert main(["scope"]) == 0
     out = capsys.readouterr().out
