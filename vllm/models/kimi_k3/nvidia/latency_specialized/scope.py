@@ -105,10 +105,20 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 def _read_yaml(path: Path) -> Any:
     file = str(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ScopeError(f"{file}: no such scope file; pass the path of a SCOPE.yaml",
                          file=file) from None
+    except IsADirectoryError:
+        inside = path / "SCOPE.yaml"
+        hint = f" ({inside} is one)" if inside.is_file() else ""
+        raise ScopeError(f"{file}: a directory, not a scope file; pass the path of a SCOPE.yaml{hint}",
+                         file=file) from None
+    except UnicodeDecodeError as e:
+        raise ScopeError.at(file, f"byte {e.start}", "UTF-8 text",
+                            f"a byte that is not UTF-8 ({e.reason})") from None
+    except OSError as e:  # no permission, an I/O error
+        raise ScopeError(f"{file}: cannot read the scope file ({e.strerror or e})", file=file) from None
     try:
         return yaml.load(text, Loader=_StrictLoader)
     except _DuplicateKey as e:

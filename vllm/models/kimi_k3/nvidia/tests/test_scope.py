@@ -241,6 +241,23 @@ def test_yaml_level_errors_name_the_file_and_line(tmp_path):
         Scope.load(tmp_path / "absent.yaml")
 
 
+def test_a_directory_or_a_file_that_is_not_utf8_is_a_scope_error_naming_it(tmp_path, capsys):
+    """Not IsADirectoryError's traceback, nor a UnicodeDecodeError that names no file."""
+    with pytest.raises(ScopeError) as info:
+        Scope.load(tmp_path)
+    assert str(info.value).startswith(f"{tmp_path}: a directory, not a scope file")
+    assert info.value.file == str(tmp_path) and "SCOPE.yaml" in str(info.value)
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("model: K3 \u2014 caf\u00e9\n".encode("latin-1", errors="replace"))
+    with pytest.raises(ScopeError) as info:
+        Scope.load(latin1)
+    assert str(info.value).startswith(f"{latin1}: byte ") and "expected UTF-8 text" in str(info.value)
+    from vllm.models.kimi_k3.nvidia.latency_specialized.cli import main
+    for path in (tmp_path, latin1):
+        assert main(["scope", "--scope", str(path)]) == 2
+        assert f"k3-decode scope: {path}: " in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------ deployment admission
 
 
