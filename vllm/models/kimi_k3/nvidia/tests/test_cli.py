@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from vllm.models.kimi_k3.nvidia.latency_specialized.cli import main
+from vllm.models.kimi_k3.nvidia.latency_specialized.config import preset
 
 ROOT = Path(__file__).resolve().parents[5]
 
@@ -64,6 +65,36 @@ def test_weights_that_are_not_safetensors_are_a_clear_error(capsys, tmp_path):
     bad.write_text("hello\n")
     assert main(["generate", "--config", "mini", "--weights", str(bad), "--prompt", "x"]) == 2
     assert f"error: {bad}: not a readable safetensors file" in capsys.readouterr().err
+
+
+def test_a_config_whose_weights_cannot_fit_is_refused_before_any_weight_is_drawn(capsys, monkeypatch):
+    """`--config k3` on a CPU drew ~2.8T random parameters until the process ran out of memory."""
+    from vllm.models.kimi_k3.nvidia.latency_specialized import cli, weights
+
+    def never(*a, **k):
+        raise AssertionError("weights drawn or loaded for a config that cannot fit")
+
+    monkeypatch.setattr(weights, "RandomSource", never)
+    monkeypatch.setattr(weights, "load_rank", never)
+    monkeypatch.setattr(cli, "_memory_for_weights", lambda device, tp: (64 * 10**9, "this host's available memory"),
+                        raising=False)
+    assert main(["generate", "--config", "k3", "--prompt", "hi"]) == 2
+    err = capsys.readouterr().err
+    assert "error: config k3: its weights take about 5.56 TB (2.78T parameters, loaded as bf16)" in err, err
+    assert "more than this host's available memory (64.0 GB)" in err and "--config tiny or --config mini" in err
+    monkeypatch.setattr(cli, "_memory_for_weights", lambda device, tp: (80 * 10**9, "the memory of one NVIDIA H100"))
+    # on GPUs each rank holds 1/tp of them
+    assert "86.9 GB on each of 64 GPUs, more than the memory of one NVIDIA H100 (80.0 GB)" in \
+        cli._weights_too_big(preset("k3"), "cuda", 64)
+    assert cli._weights_too_big(preset("k3"), "cuda", 128) is None
+    assert cli._weights_too_big(preset("mini"), "cpu", 1) is None
+
+
+def test_the_memory_probe_reads_this_host():
+    from vllm.models.kimi_k3.nvidia.latency_specialized import cli
+
+    room, what = cli._memory_for_weights("cpu", 1)
+    assert room > 10**8 and "host" in what
 
 
 def test_scope_on_this_cpu_machine_says_standard_serves(capsys):
