@@ -97,6 +97,18 @@ def test_the_memory_probe_reads_this_host():
     assert room > 10**8 and "host" in what
 
 
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_bench_help_shows_the_flags_without_a_gpu(flag, capsys, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as stop:
+        main(["bench", flag])
+    assert stop.value.code == 0
+    out, err = capsys.readouterr()
+    assert "--out" in out and "--quick" in out and "needs a CUDA" not in err
+
+
 def test_scope_on_this_cpu_machine_says_standard_serves(capsys):
     assert main(["scope"]) == 0
     out = capsys.readouterr().out
