@@ -122,3 +122,18 @@ def test_module_entry_point_runs_in_a_fresh_process():
                         "--prompt", "hi", "--max-tokens", "2"], capture_output=True, text=True, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stderr
     assert "[k3-decode]" in r.stdout
+
+
+def test_scope_names_a_flag_that_exists_for_a_gpu_it_does_not_know(capsys):
+    """The hint for an unknown --gpu named a compute_capability the scope command had no flag for."""
+    assert main(["scope", "--gpu", "RTX4090"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown GPU 'RTX4090'" in err and "--compute-capability 8.9" in err, err
+    assert main(["scope", "--gpu", "RTX4090", "--compute-capability", "8.9"]) == 0
+    out = capsys.readouterr().out
+    assert "deployment (described): RTX4090 (sm_89)" in out and "OUT OF SCOPE" in out
+    assert main(["scope", "--compute-capability", "9.0"]) == 2
+    assert "--compute-capability describes the GPU named by --gpu" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["scope", "--gpu", "RTX4090", "--compute-capability", "9"])
+    assert "--compute-capability must look like 8.9 or 10.3, got '9'" in capsys.readouterr().err
