@@ -1,7 +1,8 @@
 """`k3-decode`: generate text with the K3 decoder, and show the backend's scope verdict.
 
     k3-decode generate --prompt "get k1:" --max-tokens 32 [--config tiny|mini|k3|PATH] [--temperature T]
-    torchrun --nproc-per-node 4 -m vllm.models.kimi_k3.nvidia.latency_specialized generate --tp 4 ...
+    torchrun --nproc-per-node 4 -m vllm.models.kimi_k3.nvidia.latency_specialized \
+        generate --tp 4 --config mini ...   (mini splits over 2 or 4 ranks; tiny runs at TP 1 only)
     k3-decode scope [--gpu GB300 --tp 16 --max-model-len 262144 --spec dspark:7]
     k3-decode eval [--config tiny --tasks ... --lengths ...]   (long-context evals, both paths)
     k3-decode bench --out DIR [--quick] [--plot] ...              (decode-latency benchmark, GPU)
