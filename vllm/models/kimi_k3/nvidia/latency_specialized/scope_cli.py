@@ -6,13 +6,15 @@
 
 Without `--gpu` the GPU is read from torch.cuda; on a machine without CUDA the verdict
 says so and that the standard path serves. The other flags describe the rest of the
-deployment either way. Exit status: 0 when a verdict was printed (admitted or not),
-2 when the scope file or an argument is invalid.
+deployment either way. Exit status: 0 when a verdict was printed (admitted or not, or
+a reader such as `head` closed the pipe early: that ends it quietly), 2 when the scope
+file or an argument is invalid.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 
@@ -116,5 +118,13 @@ def run(args: argparse.Namespace) -> int:
         "preserved features (each proven by its test):",
         *(f"  {f.name}: {f.test}" for f in scope.preserved_features),
     ]
-    print("\n".join(out))
+    try:
+        print("\n".join(out))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # `k3-decode scope | head -3`: the reader has what it wanted; point stdout at devnull so
+        # that Python's flush at exit does not report the closed pipe either
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
     return 0

@@ -116,6 +116,21 @@ def test_scope_on_this_cpu_machine_says_standard_serves(capsys):
 
 
 @pytest.mark.slow
+def test_scope_into_a_closed_pipe_ends_quietly():
+    """`k3-decode scope | head -3` ended in a BrokenPipeError traceback once head had its lines."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    read, write = os.pipe()
+    os.close(read)  # the reader is gone before the first line: every write meets a closed pipe
+    try:
+        r = subprocess.run([sys.executable, "-m", "vllm.models.kimi_k3.nvidia.latency_specialized", "scope"],
+                           stdout=write, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT, timeout=300)
+    finally:
+        os.close(write)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and "BrokenPipeError" not in r.stderr, r.stderr
+
+
+@pytest.mark.slow
 def test_module_entry_point_runs_in_a_fresh_process():
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     r = subprocess.run([sys.executable, "-m", "vllm.models.kimi_k3.nvidia.latency_specialized", "generate",
