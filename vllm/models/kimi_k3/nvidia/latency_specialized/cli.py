@@ -61,7 +61,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     g.add_argument("--additional-config", default="{}",
-                   help='vLLM-style JSON, e.g. \'{"decode_backend": "latency_specialized"}\'')
+                   help='vLLM-style JSON, e.g. \'{"decode_backend": "latency_specialized", '
+                        '"allow_unvalidated": true}\' (every SCOPE.yaml envelope is declared, not '
+                        'yet validated: without allow_unvalidated the backend stays off)')
     g.add_argument("--stats", action="store_true", help="print the path counters after the run")
     add_tp_arguments(g)
 
