@@ -109,22 +109,20 @@ def _shown(path: Path) -> str:
         return str(path)
 
 
-BLOCK_SIZE = 64  # DecodeState's default MLA block size, which every state of an eval run has
 HEADROOM = 256  # tokens past the longest prompt the executor's state holds (answer and slack)
 GiB = 1 << 30
 
 
-def state_bytes(cfg: K3TextConfig, requests: int, max_len: int, block_size: int = BLOCK_SIZE) -> int:
+def state_bytes(cfg: K3TextConfig, requests: int, max_len: int) -> int:
     """Bytes of one single-rank `DecodeState` (one token per request in a step) for `requests`
-    requests of `max_len` tokens: reference/state.py's slot rule, without allocating it."""
-    shard = cfg.shard(1, 0)
-    blocks = 1 + requests * -(-max_len // block_size)  # block 0 is the null block
-    mla = blocks * block_size * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 2  # bf16
-    d = cfg.kda_head_dim
-    kda = ((1 + requests) * shard.kda_heads * d * d * 4  # fp32 recurrent state, slot 0 null
-           + (1 + requests) * 3 * 3 * shard.kda_proj * 2)  # bf16 conv window of 2 + 1 taps
-    n_mla = sum(cfg.layer_kind(i) != "kda" for i in range(cfg.num_hidden_layers))
-    return n_mla * mla + (cfg.num_hidden_layers - n_mla) * kda
+    requests of `max_len` tokens: the state itself built on the meta device (its own slot rule,
+    no memory), its pools summed."""
+    from ..reference.state import DecodeState
+
+    st = DecodeState(cfg, cfg.shard(1, 0), max_requests=requests, max_len=max_len, device="meta")
+    pools = [t for layer in st.kda.values() for t in (layer.rec, layer.conv)]
+    pools += [layer.cache for layer in st.mla.values()]
+    return sum(t.numel() * t.element_size() for t in pools)
 
 
 def footprint(cfg: K3TextConfig, prompt: int, max_len: int, batch: int, states: int,
