@@ -159,3 +159,31 @@ def test_the_gpu_workflow_writes_the_committed_records_as_they_were_made():
         else:
             assert _as_run(words) == _as_run(command), name
     assert len(written) >= 8, written  # coverage, features, three sanitizer runs, decode, eval, skinny bench
+
+
+def test_each_serving_job_expects_the_verdict_its_envelope_and_binding_allow():
+    """A serving job expects ON only where the backend can turn on: the card's envelope holds BF16
+    experts (the weight binding refuses quantized ones), vLLM's MoE backend keeps the checkpoint's
+    layout, and max_model_len is the envelope's context. Elsewhere it must check the fall-back."""
+    scope = yaml.safe_load((ROOT / "vllm/models/kimi_k3/nvidia/SCOPE.yaml").read_text())
+    inputs = _workflow("gpu-run.yml")[True]["workflow_call"]["inputs"]  # yaml reads `on:` as True
+    serving = {name: job["with"] for name, job in _workflow("gpu.yml")["jobs"].items()
+               if job["with"].get("serve-tp")}
+    assert serving, "no GPU job serves the model through vLLM"
+    for name, args in serving.items():
+        labels = set(json.loads(args["runs-on"]))
+        envelope = next(e for e in scope["envelopes"] if e["gpu"]["name"].lower() in labels)
+        assert int(args["serve-tp"]) in envelope["tensor_parallel"], name
+        expect = args.get("serve-expect", inputs["serve-expect"]["default"])
+        flags = shlex.split(args.get("serve-flags", ""))
+        can_turn_on = envelope["dtypes"]["experts"] == "bfloat16"
+        assert expect == ("on" if can_turn_on else "off"), (name, envelope["name"])
+        if expect == "on":
+            assert flags[flags.index("--moe-backend") + 1] == "triton", name
+            assert int(flags[flags.index("--max-model-len") + 1]) == envelope["max_context"], name
+
+
+def test_the_serving_script_refuses_an_unknown_expectation_before_installing_anything():
+    out = subprocess.run(["bash", ".ci/vllm_gpu_serve.sh", "/nonexistent", "8", "maybe"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=30)
+    assert out.returncode == 2 and "'on' or 'off', not 'maybe'" in out.stdout, out.stdout + out.stderr
