@@ -393,7 +393,7 @@ def main(argv: list[str] | None = None) -> int:
     d = TrainConfig()
     ap.add_argument("--out", required=True, help="checkpoint folder (config.json + model.safetensors)")
     ap.add_argument("--curve", required=True, help="JSON file for the training curve")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--steps", type=int, default=d.steps)
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--lr", type=float, default=d.lr)
@@ -409,6 +409,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-lengths", default="1024,4096", help="lengths of the final exact-match check")
     ap.add_argument("--eval-samples", type=int, default=16)
     args = ap.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA GPU is visible here; train on one, or pass --device cpu (slow)")
     tc = TrainConfig(steps=args.steps, seed=args.seed, lr=args.lr, tokens_per_step=args.tokens_per_step,
                      max_length=args.max_length, kda_chunk=args.kda_chunk, max_seconds=args.max_seconds,
                      log_every=args.log_every, graphs=not args.no_graphs,

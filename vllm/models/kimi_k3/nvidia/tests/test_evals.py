@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from vllm.models.kimi_k3.nvidia.evals import harness, tasks
+from vllm.models.kimi_k3.nvidia.evals import harness, tasks, train_tiny
 from vllm.models.kimi_k3.nvidia.evals.tiny import TINY, TINY_DIR, config_named, has_checkpoint
 from vllm.models.kimi_k3.nvidia.evals.train_model import TrainModel, chunked_delta_rule
 from vllm.models.kimi_k3.nvidia.evals.train_tiny import (Batches, DictSource, GraphedStep, TrainConfig, batch,
@@ -693,3 +693,11 @@ def test_lm_eval_data_writes_where_the_task_configs_read(tmp_path, monkeypatch):
     assert lm_eval_data.main(["--tasks", "kv", "--lengths", "120", "--samples", "1"]) == 0
     line = json.loads((tmp_path / "k3_kv_synthetic.jsonl").read_text().splitlines()[0])
     assert line["task"] == "kv" and line["length"] == 120
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where no GPU is visible")
+def test_train_tiny_on_cuda_without_a_gpu_is_one_error_line(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        train_tiny.main(["--device", "cuda", "--out", str(tmp_path / "ckpt"), "--curve", str(tmp_path / "c.json")])
+    assert e.value.code == 2 and "no CUDA GPU is visible" in capsys.readouterr().err
+    assert not (tmp_path / "ckpt").exists()
