@@ -6,7 +6,7 @@ ARCHITECTURE.md §5 guards against is a read of x (or of the residual addend) mo
 wait: it would see the previous step's values and nothing but a numerical drift would show it.
 
 Here a test-only producer releases its dependents at once, spins for `DELAY_CYCLES` (about
-200 µs), and only then writes the GEMM's operand. Within that window a dependent that read early
+1 ms), and only then writes the GEMM's operand. Within that window a dependent that read early
 sees the old values. `test_window_exists` proves the window is real: a reader launched like the
 GEMMs copies x before and after its wait and must find the old values before and the new ones
 after. Then each GEMM case (the warp kernel with and without split-K, fp32 out, the residual
@@ -43,7 +43,9 @@ from vllm.models.kimi_k3.nvidia.tests._util import draw, rel_err  # noqa: E402
 
 THREADS = 256
 CTAS = 8  # a small grid: every CTA resident at once, so the release happens at launch
-DELAY_CYCLES = 400_000  # ~200 µs at the H200's ~2 GHz: far longer than any case's GEMM takes to start
+# ~1 ms at the H200's ~2 GHz: longer than the host takes to launch the GEMM behind it in the eager
+# cases (tens of µs), so that there too the GEMM starts while the producer still spins
+DELAY_CYCLES = 2_000_000
 REL_ERR_BOUND = {BF16: 4e-3, F32: 1e-5}  # test_skinny_gemm.py's bounds
 STALE_AT_LEAST = 0.5  # the relative error a result computed from the old operand would show, at least
 SOURCES = ("vllm/models/kimi_k3/nvidia/kernels/skinny_gemm.py",
@@ -145,7 +147,9 @@ def test_window_exists(evidence):
     """A PDL dependent that reads before its wait sees the old values: the producer really is
     still running when the GEMMs below start, so a GEMM that read early would be caught."""
     gen = torch.Generator(device="cuda").manual_seed(3)
-    n = 64 * 7168
+    # small, so that each thread's loads before the wait (28 of them, one latency each) end well
+    # inside the producer's spin: a larger x could outlast it and read new values without a fault
+    n = 8 * 7168
     x, new = draw("normal", (n,), gen, "cuda"), draw("large", (n,), gen, "cuda")
     old = x.clone()
     before, after = torch.full_like(x, float("nan")), torch.full_like(x, float("nan"))
