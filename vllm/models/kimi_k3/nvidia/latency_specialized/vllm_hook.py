@@ -23,7 +23,9 @@ Start-up verdict: vLLM features this backend does not cover (pipeline or expert
 parallelism, DBO, decode context parallelism, LoRA, ReplaySSM / RecoverSSM, a text config
 that is not Kimi K3, an unknown expert quantization) turn it OFF first, with every such
 feature in one warning line; otherwise `Dispatcher` matches the deployment against
-SCOPE.yaml. `strict_scope` turns either OFF into a `ScopeError`.
+SCOPE.yaml. Every step is routed at context max_model_len (`step_facts`), so a max_model_len
+over an envelope's context is OFF too, not ON with no step ever admitted. `strict_scope`
+turns either OFF into a `ScopeError`.
 
 Per forward: `StepRouter` reads host-side facts only (padded token count, each layer's
 attention metadata counts, the CUDA-graph mode), identical on every TP rank. Under FULL
@@ -60,7 +62,7 @@ from .config import ConfigError, K3TextConfig
 from .deployment import Deployment, StepFacts
 from .dispatch import (BACKEND_LOG, OUT_OF_SCOPE_REASON, STANDARD, Dispatcher, PathCounters,
                        Route)
-from .options import ACCEPTED_KEYS, BackendOptions
+from .options import ACCEPTED_KEYS, BackendOptions, refuse_misspelt_keys
 from .scope import ScopeError
 from ..reference.collective import Collective, SingleRank
 from ..reference.model import ReferenceModel
@@ -116,10 +118,12 @@ def split_additional_config(extra: Any) -> tuple[BackendOptions, Any]:
 
     Only this backend's keys are parsed (vLLM's own, e.g. `kda_decode_backend`, pass
     through untouched); they are removed from upstream's view, so upstream's model
-    reads `decode_backend` as `auto`.
+    reads `decode_backend` as `auto`. A key that looks like one of ours misspelt is
+    refused: passed through, it would leave the backend off without a word.
     """
     if not isinstance(extra, Mapping):
         return BackendOptions(), extra
+    refuse_misspelt_keys(extra)
     options = BackendOptions.parse({k: extra[k] for k in ACCEPTED_KEYS if k in extra})
     return options, {k: v for k, v in extra.items() if k not in ACCEPTED_KEYS}
 
@@ -336,7 +340,7 @@ class VllmBackend:
         assert deployment is not None
         # the router counts; the dispatcher's own counters would count every pass twice
         dispatcher = Dispatcher(options, deployment, counters=PathCounters(enabled=False),
-                                log=log)
+                                log=log, steps_at_max_model_len=True)
         self.startup_line = dispatcher.startup_line
         self.router = StepRouter(dispatcher, max_context=max_len, verify_tokens=verify,
                                  reporting=rank == 0, log=log)
