@@ -24,6 +24,7 @@ from ..evals import cli as eval_cli
 from . import scope_cli
 from .config import ConfigError, preset
 from .distributed import add_tp_arguments, tp_generate
+from .host_memory import size_words, usable_memory
 
 
 def _plot_bench(bench_args: list[str]) -> int:
@@ -81,25 +82,6 @@ def _weights_source(args: argparse.Namespace, cfg):
     return RandomSource(cfg, seed=args.seed)
 
 
-def _gb(n: float) -> str:
-    return f"{n / 1e9:,.1f} GB" if n < 1e12 else f"{n / 1e12:,.2f} TB"
-
-
-def _memory_for_weights(device: str, tp: int) -> tuple[int, str]:
-    """(bytes one rank's weights may take, what that memory is, in words). CPU: this host's
-    available memory, which every rank of a CPU run shares; CUDA: one GPU's memory."""
-    if device == "cuda":
-        index = int(os.environ.get("LOCAL_RANK", "0")) if tp > 1 else torch.cuda.current_device()
-        props = torch.cuda.get_device_properties(index)
-        return props.total_memory, f"the memory of one {props.name}"
-    try:
-        with open("/proc/meminfo") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-        return kib * 1024, "this host's available memory"
-    except (OSError, StopIteration, ValueError, IndexError):
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this host's memory"
-
-
 def _weights_too_big(cfg, device: str, tp: int) -> str | None:
     """Why `cfg`'s weights cannot be loaded here, or None. Counted as `load_rank` holds them (bf16
     experts): a config that cannot fit would otherwise be drawn until the process runs out of memory."""
@@ -108,14 +90,16 @@ def _weights_too_big(cfg, device: str, tp: int) -> str | None:
     shapes = expected_shapes(cfg).values()
     total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes)
     need = total if device == "cpu" else math.ceil(total / tp)  # CPU ranks share one host
-    room, what = _memory_for_weights(device, tp)
-    if need <= room:
+    # a rank of a torchrun launch holds the GPU of its LOCAL_RANK
+    have = usable_memory(device, int(os.environ.get("LOCAL_RANK", "0")) if device == "cuda" and tp > 1 else None)
+    if have is None or need <= have[0]:
         return None
+    room, what = have
     params = sum(math.prod(shape) for shape, _ in shapes)
     count = f"{params / 1e12:,.2f}T" if params >= 1e12 else f"{params / 1e9:,.1f}B"
-    each = f", {_gb(need)} on each of {tp} GPUs" if device == "cuda" and tp > 1 else ""
-    return (f"config {cfg.name}: its weights take about {_gb(total)} ({count} parameters, "
-            f"loaded as bf16){each}, more than {what} ({_gb(room)}); k3-decode would run out of memory "
+    each = f", {size_words(need)} on each of {tp} GPUs" if device == "cuda" and tp > 1 else ""
+    return (f"config {cfg.name}: its weights take about {size_words(total)} ({count} parameters, "
+            f"loaded as bf16){each}, more than {what} ({size_words(room)}); k3-decode would run out of memory "
             "loading them. Use --config tiny or --config mini here, or serve the model under vLLM on "
             "GPUs that hold it (docs/fast_track/OPERATOR.md)")
 

@@ -76,25 +76,25 @@ def test_a_config_whose_weights_cannot_fit_is_refused_before_any_weight_is_drawn
 
     monkeypatch.setattr(weights, "RandomSource", never)
     monkeypatch.setattr(weights, "load_rank", never)
-    monkeypatch.setattr(cli, "_memory_for_weights", lambda device, tp: (64 * 10**9, "this host's available memory"),
-                        raising=False)
+    monkeypatch.setattr(cli, "usable_memory", lambda device, index: (64 << 30, "this host's available memory"))
     assert main(["generate", "--config", "k3", "--prompt", "hi"]) == 2
     err = capsys.readouterr().err
-    assert "error: config k3: its weights take about 5.56 TB (2.78T parameters, loaded as bf16)" in err, err
-    assert "more than this host's available memory (64.0 GB)" in err and "--config tiny or --config mini" in err
-    monkeypatch.setattr(cli, "_memory_for_weights", lambda device, tp: (80 * 10**9, "the memory of one NVIDIA H100"))
+    assert "error: config k3: its weights take about 5.06 TiB (2.78T parameters, loaded as bf16)" in err, err
+    assert "more than this host's available memory (64 GiB)" in err and "--config tiny or --config mini" in err
+    monkeypatch.setattr(cli, "usable_memory", lambda device, index: (80 << 30, "the memory of one NVIDIA H100"))
     # on GPUs each rank holds 1/tp of them
-    assert "86.9 GB on each of 64 GPUs, more than the memory of one NVIDIA H100 (80.0 GB)" in \
+    assert "80.9 GiB on each of 64 GPUs, more than the memory of one NVIDIA H100 (80 GiB)" in \
         cli._weights_too_big(preset("k3"), "cuda", 64)
     assert cli._weights_too_big(preset("k3"), "cuda", 128) is None
     assert cli._weights_too_big(preset("mini"), "cpu", 1) is None
 
 
 def test_the_memory_probe_reads_this_host():
-    from vllm.models.kimi_k3.nvidia.latency_specialized import cli
+    from vllm.models.kimi_k3.nvidia.latency_specialized.host_memory import size_words, usable_memory
 
-    room, what = cli._memory_for_weights("cpu", 1)
+    room, what = usable_memory("cpu")
     assert room > 10**8 and "host" in what
+    assert [size_words(n) for n in (512, 3 << 20, 25_600 << 20, 5 << 40)] == ["512 bytes", "3 MiB", "25 GiB", "5 TiB"]
 
 
 @pytest.mark.parametrize("flag", ["--help", "-h"])
