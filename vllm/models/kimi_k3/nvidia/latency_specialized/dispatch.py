@@ -143,7 +143,9 @@ class Dispatcher:
     def __init__(self, options: BackendOptions, deployment: Deployment,
                  scope: Scope | str | Path | None = None, executor: Executor | None = None,
                  log: logging.Logger = BACKEND_LOG,
-                 counters: PathCounters | None = None) -> None:
+                 counters: PathCounters | None = None, steps_at_max_model_len: bool = False) -> None:
+        # steps_at_max_model_len: every step is routed at context max_model_len (vLLM's
+        # captured graphs), so a max_model_len over the envelope's context admits none: OFF
         self.options = options
         self.deployment = deployment
         # set by the harness once the specialized executor is built
@@ -158,7 +160,7 @@ class Dispatcher:
             log.debug(self.startup_line)
             return
         self.scope = scope if isinstance(scope, Scope) else Scope.load(scope)
-        self.verdict = self.scope.admits(deployment, options.allow_unvalidated)
+        self.verdict = self.scope.admits(deployment, options.allow_unvalidated, steps_at_max_model_len)
         if not self.verdict:
             if options.strict_scope:
                 raise ScopeError(
