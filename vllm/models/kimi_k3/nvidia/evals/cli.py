@@ -116,13 +116,13 @@ GiB = 1 << 30
 def state_bytes(cfg: K3TextConfig, requests: int, max_len: int) -> int:
     """Bytes of one single-rank `DecodeState` (one token per request in a step) for `requests`
     requests of `max_len` tokens: the state itself built on the meta device (its own slot rule,
-    no memory), its pools summed."""
+    no memory), every pool of every layer summed (a pool added to a layer state counts too)."""
     from ..reference.state import DecodeState
 
     st = DecodeState(cfg, cfg.shard(1, 0), max_requests=requests, max_len=max_len, device="meta")
-    pools = [t for layer in st.kda.values() for t in (layer.rec, layer.conv)]
-    pools += [layer.cache for layer in st.mla.values()]
-    return sum(t.numel() * t.element_size() for t in pools)
+    layers = [*st.kda.values(), *st.mla.values()]
+    return sum(t.numel() * t.element_size() for layer in layers for t in vars(layer).values()
+               if isinstance(t, torch.Tensor))
 
 
 def footprint(cfg: K3TextConfig, prompt: int, max_len: int, batch: int, states: int,
