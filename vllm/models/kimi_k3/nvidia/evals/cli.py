@@ -14,13 +14,13 @@ latency_specialized/cli.py; `main` runs it alone (`python -m vllm.models.kimi_k3
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from pathlib import Path
 
 import torch
 
 from ..latency_specialized.config import ConfigError, K3TextConfig
+from ..latency_specialized.host_memory import size_words, usable_memory
 from ..latency_specialized.tokenizer import ByteTokenizer
 from . import tasks
 from .tiny import TINY_DIR, config_named, shipped_weights
@@ -139,28 +139,10 @@ def footprint(cfg: K3TextConfig, prompt: int, max_len: int, batch: int, states: 
     return {"caches": caches, "scores": scores, "logits": logits, "total": caches + scores + logits}
 
 
-def _memory(device: str) -> tuple[int, str] | None:
-    """(bytes, what they are) of the memory an eval on `device` runs in; None where it cannot be read."""
-    try:
-        if device == "cuda":
-            props = torch.cuda.get_device_properties(torch.cuda.current_device())
-            return props.total_memory, f"{props.name}'s memory"
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this machine's RAM"
-    except (ValueError, OSError, AttributeError, RuntimeError):
-        return None
-
-
-def _size(n: int) -> str:
-    for unit, scale in (("EiB", 1 << 60), ("PiB", 1 << 50), ("TiB", 1 << 40), ("GiB", GiB), ("MiB", 1 << 20)):
-        if n >= scale:
-            return f"{n / scale:.3g} {unit}"
-    return f"{n} bytes"
-
-
 def _memory_refusal(args: argparse.Namespace, cfg: K3TextConfig) -> str | None:
     """Why the longest --lengths cannot fit, or None: checked before any prompt is built or weight
     loaded, since both take minutes at absurd lengths and the caches then fail to allocate."""
-    have = _memory(args.device)
+    have = usable_memory(args.device)
     if have is None:
         return None
     prompt, longest = max(args.lengths), max(args.lengths) + HEADROOM
@@ -172,12 +154,12 @@ def _memory_refusal(args: argparse.Namespace, cfg: K3TextConfig) -> str | None:
     if need["total"] <= have[0]:
         return None
     heads = cfg.shard(1, 0).mla_heads
-    return (f"--lengths {prompt} with --batch {args.batch} needs at least {_size(need['total'])} "
-            f"on {args.device}, more than {have[1]} ({_size(have[0])}): decode caches {_size(need['caches'])} "
+    return (f"--lengths {prompt} with --batch {args.batch} needs at least {size_words(need['total'])} "
+            f"on {args.device}, more than {have[1]} ({size_words(have[0])}): decode caches {size_words(need['caches'])} "
             f"({states} states of {args.batch} requests x {longest} tokens, config {cfg.name}), prefill "
-            f"attention scores {_size(need['scores'])} (3 {'fp64' if args.device == 'cpu' else 'fp32'} "
+            f"attention scores {size_words(need['scores'])} (3 {'fp64' if args.device == 'cpu' else 'fp32'} "
             f"[{heads}, {prompt}, {prompt}] tensors and a bool mask), "
-            f"logits {_size(need['logits'])}. Pass shorter --lengths (the scores grow with the square of "
+            f"logits {size_words(need['logits'])}. Pass shorter --lengths (the scores grow with the square of "
             "the length)" + (", or a smaller --batch (the caches grow with it)"
                              if need["caches"] >= need["scores"] else ""))
 

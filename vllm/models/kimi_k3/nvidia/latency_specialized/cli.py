@@ -1,7 +1,8 @@
 """`k3-decode`: generate text with the K3 decoder, and show the backend's scope verdict.
 
     k3-decode generate --prompt "get k1:" --max-tokens 32 [--config tiny|mini|k3|PATH] [--temperature T]
-    torchrun --nproc-per-node 4 -m vllm.models.kimi_k3.nvidia.latency_specialized generate --tp 4 ...
+    torchrun --nproc-per-node 4 -m vllm.models.kimi_k3.nvidia.latency_specialized \
+        generate --tp 4 --config mini ...   (mini splits over 2 or 4 ranks; tiny runs at TP 1 only)
     k3-decode scope [--gpu GB300 --tp 16 --max-model-len 262144 --spec dspark:7]
     k3-decode eval [--config tiny --tasks ... --lengths ...]   (long-context evals, both paths)
     k3-decode bench --out DIR [--quick] [--plot] ...              (decode-latency benchmark, GPU)
@@ -12,6 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
 import sys
 import time
 
@@ -21,6 +24,7 @@ from ..evals import cli as eval_cli
 from . import scope_cli
 from .config import ConfigError, preset
 from .distributed import add_tp_arguments, tp_generate
+from .host_memory import size_words, usable_memory
 
 
 def _plot_bench(bench_args: list[str]) -> int:
@@ -58,7 +62,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     g.add_argument("--additional-config", default="{}",
-                   help='vLLM-style JSON, e.g. \'{"decode_backend": "latency_specialized"}\'')
+                   help='vLLM-style JSON, e.g. \'{"decode_backend": "latency_specialized", '
+                        '"allow_unvalidated": true}\' (every SCOPE.yaml envelope is declared, not '
+                        'yet validated: without allow_unvalidated the backend stays off)')
     g.add_argument("--stats", action="store_true", help="print the path counters after the run")
     add_tp_arguments(g)
 
@@ -76,6 +82,39 @@ def _weights_source(args: argparse.Namespace, cfg):
     return RandomSource(cfg, seed=args.seed)
 
 
+def _weights_too_big(cfg, device: str, tp: int) -> str | None:
+    """Why `cfg`'s weights cannot be loaded here, or None. Counted as `load_rank` holds them (bf16
+    experts): a config that cannot fit would otherwise be drawn until the process runs out of memory."""
+    from .weights import expected_shapes
+
+    shapes = expected_shapes(cfg).values()
+    total = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shapes)
+    need = total if device == "cpu" else math.ceil(total / tp)  # CPU ranks share one host
+    # a rank of a torchrun launch holds the GPU of its LOCAL_RANK
+    have = usable_memory(device, int(os.environ.get("LOCAL_RANK", "0")) if device == "cuda" and tp > 1 else None)
+    if have is None or need <= have[0]:
+        return None
+    room, what = have
+    params = sum(math.prod(shape) for shape, _ in shapes)
+    count = f"{params / 1e12:,.2f}T" if params >= 1e12 else f"{params / 1e9:,.1f}B"
+    each = f", {size_words(need)} on each of {tp} GPUs" if device == "cuda" and tp > 1 else ""
+    return (f"config {cfg.name}: its weights take about {size_words(total)} ({count} parameters, "
+            f"loaded as bf16){each}, more than {what} ({size_words(room)}); k3-decode would run out of memory "
+            "loading them. Use --config tiny or --config mini here, or serve the model under vLLM on "
+            "GPUs that hold it (docs/fast_track/OPERATOR.md)")
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    """A JSON object's pairs -> dict, refusing a repeated key (json keeps the last one silently)."""
+    out: dict[str, object] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"--additional-config gives the key {key!r} twice ({out[key]!r}, then "
+                             f"{value!r}); give each key once")
+        out[key] = value
+    return out
+
+
 def _generate(args: argparse.Namespace) -> int:
     from ..reference.model import ReferenceModel
     from .deployment import Deployment
@@ -91,7 +130,7 @@ def _generate(args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 2
     try:
-        extra = json.loads(args.additional_config)
+        extra = json.loads(args.additional_config, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as e:
         print(f"error: --additional-config is not valid JSON ({e})", file=sys.stderr)
         return 2
@@ -101,6 +140,10 @@ def _generate(args: argparse.Namespace) -> int:
     if cfg.vocab_size < tok.vocab_size:
         print(f"error: config {cfg.name} has vocab_size {cfg.vocab_size} < {tok.vocab_size} "
               "needed by the byte tokenizer", file=sys.stderr)
+        return 2
+    too_big = _weights_too_big(cfg, args.device, args.tp)
+    if too_big:
+        print(f"error: {too_big}", file=sys.stderr)
         return 2
     prompts = [tok.encode(p) for p in args.prompt]
     max_len = max(len(p) for p in prompts) + args.max_tokens
@@ -159,7 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.cmd == "eval":
             return eval_cli.run(args)
         if args.cmd == "bench":
-            if not torch.cuda.is_available():
+            # --help shows the flags on any machine; only a run needs the GPU
+            if not torch.cuda.is_available() and not {"-h", "--help"} & set(rest):
                 print("error: k3-decode bench times CuTe DSL kernels and needs a CUDA GPU; none is visible",
                       file=sys.stderr)
                 return 2

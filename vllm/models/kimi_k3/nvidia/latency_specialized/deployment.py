@@ -57,6 +57,11 @@ KNOWN_GPUS: dict[str, KnownGpu] = {
 NO_CUDA = "no CUDA device present (torch.cuda.is_available() is False)"
 
 
+def known_gpu(name: str) -> KnownGpu | None:
+    """The `KNOWN_GPUS` entry of 'H200', 'nvidia h200', ..., or None."""
+    return KNOWN_GPUS.get(name.strip().upper().removeprefix("NVIDIA ").strip())
+
+
 def canonical_dtype(value: Any, what: str) -> str:
     """The canonical name of a dtype given as a string alias or a torch.dtype."""
     text = str(value).strip().lower()
@@ -106,6 +111,9 @@ class Deployment:
     spec_method: str | None = None
     num_draft_tokens: int = 0
     cuda_graphs: bool = True
+    # every step is routed at context max_model_len (vLLM: a captured graph replays at any
+    # context up to it), so a max_model_len over an envelope's context admits no step there
+    steps_at_max_model_len: bool = False
     source: str = field(default="described", compare=False)  # 'detected' or 'described'
 
     def __post_init__(self) -> None:
@@ -167,7 +175,7 @@ class Deployment:
                  compute_capability: str | None = None, sm_count: int | None = None,
                  **dtypes: Any) -> "Deployment":
         """A deployment on a named GPU (from `KNOWN_GPUS`, or any GPU given its capability)."""
-        known = KNOWN_GPUS.get(gpu.strip().upper().removeprefix("NVIDIA ").strip())
+        known = known_gpu(gpu)
         if known is None and compute_capability is None:
             raise ValueError(
                 f"unknown GPU {gpu!r}: use one of {', '.join(KNOWN_GPUS)}, or give its "

@@ -25,8 +25,9 @@ TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 before NCCL starts
 `TorchDistributed` refuses an NCCL group created without them.
 
 Launch: `torchrun --nproc-per-node N -m vllm.models.kimi_k3.nvidia.latency_specialized
-generate --tp N …`; each process loads only its shard (`load_rank(…, tp, rank)`), rank 0
-prints, and at the end every rank's per-step decisions are gathered and must be equal.
+generate --tp N --config mini …` (the default tiny config has one head: TP 1 only); each
+process loads only its shard (`load_rank(…, tp, rank)`), rank 0 prints, and at the end
+every rank's per-step decisions are gathered and must be equal.
 """
 
 from __future__ import annotations
@@ -53,7 +54,8 @@ MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1
                  "NVSHMEM_DISABLE_NVLS": "1"}
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 LAUNCH_HINT = ("launch one process per rank with torchrun, e.g. `torchrun --nproc-per-node 4 "
-               "-m vllm.models.kimi_k3.nvidia.latency_specialized generate --tp 4 --prompt hi`")
+               "-m vllm.models.kimi_k3.nvidia.latency_specialized generate --tp 4 --config mini --prompt hi` "
+               "(--config mini: the default tiny config has one attention head, so it runs at --tp 1 only)")
 
 # torch 2.13 renamed all_gather_into_tensor; the GPU image's torch 2.11 has only the old name
 _gather_into = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -154,7 +156,8 @@ def add_tp_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tp", type=_tp_size, default=1,
                         help="tensor-parallel size; above 1 one process per rank: torchrun "
                              "--nproc-per-node N -m vllm.models.kimi_k3.nvidia.latency_specialized "
-                             "generate --tp N ... (nccl on GPUs, gloo on CPUs)")
+                             "generate --tp N --config mini ... (nccl on GPUs, gloo on CPUs; the "
+                             "default tiny config has one head and runs at --tp 1 only)")
 
 
 class _RouteLog:

@@ -19,7 +19,9 @@ Every failure is a `ScopeError` naming the file, the key path (`envelopes[1].row
 what was expected and what was found. Duplicate YAML keys are refused too.
 
 Admission: `Scope.admits(deployment)` matches a deployment against every envelope and
-returns the admitting envelopes, or every unmet requirement of every envelope;
+returns the admitting envelopes, or every unmet requirement of every envelope (for a
+deployment with `steps_at_max_model_len`, as under vLLM, a max_model_len over an envelope's
+context is one);
 `Envelope.admits(step)` decides one step from host-side facts only (rows, tokens per
 request, longest context, pure decode).
 """
@@ -104,10 +106,20 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 def _read_yaml(path: Path) -> Any:
     file = str(path)
     try:
-        text = path.read_text()
+        text = path.read_text(encoding="utf-8")
     except FileNotFoundError:
         raise ScopeError(f"{file}: no such scope file; pass the path of a SCOPE.yaml",
                          file=file) from None
+    except IsADirectoryError:
+        inside = path / "SCOPE.yaml"
+        hint = f" ({inside} is one)" if inside.is_file() else ""
+        raise ScopeError(f"{file}: a directory, not a scope file; pass the path of a SCOPE.yaml{hint}",
+                         file=file) from None
+    except UnicodeDecodeError as e:
+        raise ScopeError.at(file, f"byte {e.start}", "UTF-8 text",
+                            f"a byte that is not UTF-8 ({e.reason})") from None
+    except OSError as e:  # no permission, an I/O error
+        raise ScopeError(f"{file}: cannot read the scope file ({e.strerror or e})", file=file) from None
     try:
         return yaml.load(text, Loader=_StrictLoader)
     except _DuplicateKey as e:
@@ -364,6 +376,10 @@ class Envelope:
     def unmet(self, d: Deployment, allow_unvalidated: bool) -> list[str]:
         """Every requirement other than the GPU that `d` does not meet."""
         out = []
+        if d.steps_at_max_model_len and d.max_model_len > self.max_context:
+            out.append(f"max_model_len {d.max_model_len} over context {self.max_context} (every step is "
+                       f"routed at max_model_len, so none would run specialized; serve with --max-model-len "
+                       f"{self.max_context} or less)")
         if d.tensor_parallel not in self.tensor_parallel:
             out.append(f"tensor_parallel {d.tensor_parallel} not in {format_ints(self.tensor_parallel)}")
         method = d.spec_method or "none"
@@ -390,7 +406,8 @@ class Envelope:
                        "admitted because allow_unvalidated is set")
         if d.max_model_len > self.max_context:
             out.append(f"steps with context over {self.max_context} run the standard path "
-                       f"(max_model_len {d.max_model_len})")
+                       f"(max_model_len {d.max_model_len}); under vLLM that is every step (it routes "
+                       f"each at max_model_len): serve with --max-model-len {self.max_context} or less")
         return out
 
     # ------------------------------------------------------------ step

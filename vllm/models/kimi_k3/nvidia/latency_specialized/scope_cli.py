@@ -2,19 +2,23 @@
 
     k3-decode scope                                   # this machine (torch.cuda)
     k3-decode scope --gpu GB300 --tp 16 --max-model-len 262144 --spec dspark:7 --allow-unvalidated
+    k3-decode scope --gpu RTX4090 --compute-capability 8.9      # a GPU not in KNOWN_GPUS
 
 Without `--gpu` the GPU is read from torch.cuda; on a machine without CUDA the verdict
 says so and that the standard path serves. The other flags describe the rest of the
-deployment either way. Exit status: 0 when a verdict was printed (admitted or not),
-2 when the scope file or an argument is invalid.
+deployment either way. Exit status: 0 when a verdict was printed (admitted or not, or
+a reader such as `head` closed the pipe early: that ends it quietly), 2 when the scope
+file or an argument is invalid.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import re
 import sys
 
-from .deployment import DTYPES, KNOWN_GPUS, Deployment, parse_spec
+from .deployment import DTYPES, KNOWN_GPUS, Deployment, known_gpu, parse_spec
 from .scope import Scope, ScopeError, Verdict, format_ints
 
 
@@ -24,8 +28,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description="Match a deployment against SCOPE.yaml and print the verdict and the envelope table.",
     )
     p.add_argument("--gpu", metavar="NAME",
-                   help=f"describe a deployment on this GPU ({', '.join(KNOWN_GPUS)}) instead of "
-                        "reading this machine's")
+                   help=f"describe a deployment on this GPU ({', '.join(KNOWN_GPUS)}, or any other "
+                        "with --compute-capability) instead of reading this machine's")
+    p.add_argument("--compute-capability", type=_capability, default=None, metavar="X.Y",
+                   help="the --gpu's compute capability, e.g. 8.9; needed for a GPU not listed above")
     p.add_argument("--tp", type=int, default=1, metavar="N", help="tensor-parallel size (default 1)")
     p.add_argument("--max-model-len", type=int, default=1048576, metavar="N",
                    help="max model length in tokens (default 1048576)")
@@ -42,12 +48,25 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
+def _capability(text: str) -> str:
+    if not re.fullmatch(r"[0-9]+\.[0-9]+", text.strip()):
+        raise argparse.ArgumentTypeError(f"--compute-capability must look like 8.9 or 10.3, got {text!r}")
+    return text.strip()
+
+
 def _deployment(args: argparse.Namespace) -> Deployment:
     parse_spec(args.spec)  # a malformed --spec is an argument error before any GPU query
     common = dict(tp=args.tp, max_model_len=args.max_model_len, spec=args.spec,
                   cuda_graphs=not args.eager, expert_dtype=args.expert_dtype)
+    cc = args.compute_capability
+    if cc and not args.gpu:
+        raise ValueError("--compute-capability describes the GPU named by --gpu; without --gpu the GPU "
+                         "is this machine's (read from torch.cuda)")
     if args.gpu:
-        return Deployment.describe(gpu=args.gpu, **common)
+        if cc is None and known_gpu(args.gpu) is None:
+            raise ValueError(f"unknown GPU {args.gpu!r}: use one of {', '.join(KNOWN_GPUS)}, or give its "
+                             f"compute capability as well (e.g. --gpu {args.gpu} --compute-capability 8.9)")
+        return Deployment.describe(gpu=args.gpu, compute_capability=cc, **common)
     return Deployment.detect(**common)
 
 
@@ -99,5 +118,13 @@ def run(args: argparse.Namespace) -> int:
         "preserved features (each proven by its test):",
         *(f"  {f.name}: {f.test}" for f in scope.preserved_features),
     ]
-    print("\n".join(out))
+    try:
+        print("\n".join(out))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # `k3-decode scope | head -3`: the reader has what it wanted; point stdout at devnull so
+        # that Python's flush at exit does not report the closed pipe either
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
     return 0

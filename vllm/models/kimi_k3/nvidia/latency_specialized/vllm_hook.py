@@ -21,9 +21,12 @@ that architecture to the NVIDIA implementation; it imports no model code. The su
 
 Start-up verdict: vLLM features this backend does not cover (pipeline or expert
 parallelism, DBO, decode context parallelism, LoRA, ReplaySSM / RecoverSSM, a text config
-that is not Kimi K3, an unknown expert quantization) turn it OFF first, with every such
+that is not Kimi K3, quantized routed experts, which the weight binding cannot view) turn it
+OFF first, with every such
 feature in one warning line; otherwise `Dispatcher` matches the deployment against
-SCOPE.yaml. `strict_scope` turns either OFF into a `ScopeError`.
+SCOPE.yaml. Every step is routed at context max_model_len (`step_facts`), so a max_model_len
+over an envelope's context is OFF too, not ON with no step ever admitted. `strict_scope`
+turns either OFF into a `ScopeError`.
 
 Per forward: `StepRouter` reads host-side facts only (padded token count, each layer's
 attention metadata counts, the CUDA-graph mode), identical on every TP rank. Under FULL
@@ -52,6 +55,7 @@ does for what it checks: shapes, dtypes and caches are the same on every rank).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Callable, Mapping
@@ -60,7 +64,7 @@ from .config import ConfigError, K3TextConfig
 from .deployment import Deployment, StepFacts
 from .dispatch import (BACKEND_LOG, OUT_OF_SCOPE_REASON, STANDARD, Dispatcher, PathCounters,
                        Route)
-from .options import ACCEPTED_KEYS, BackendOptions
+from .options import ACCEPTED_KEYS, BackendOptions, refuse_misspelt_keys
 from .scope import ScopeError
 from ..reference.collective import Collective, SingleRank
 from ..reference.model import ReferenceModel
@@ -69,7 +73,7 @@ from .executor import ExecutorError
 from .vllm_collective import VllmCollective
 from .vllm_executor import VllmExecutor
 from .vllm_pools import CachesNotBound, PoolsError
-from .vllm_weights import BindingError, bind_vllm_weights, repacked_experts
+from .vllm_weights import BOUND_EXPERT_DTYPES, BindingError, bind_vllm_weights, repacked_experts
 
 TEXT_ARCHITECTURE = "KimiLinearForCausalLM"
 MODEL_CLASS = f"{__package__}.vllm_model:KimiK3LatencySpecializedForCausalLM"
@@ -116,10 +120,12 @@ def split_additional_config(extra: Any) -> tuple[BackendOptions, Any]:
 
     Only this backend's keys are parsed (vLLM's own, e.g. `kda_decode_backend`, pass
     through untouched); they are removed from upstream's view, so upstream's model
-    reads `decode_backend` as `auto`.
+    reads `decode_backend` as `auto`. A key that looks like one of ours misspelt is
+    refused: passed through, it would leave the backend off without a word.
     """
     if not isinstance(extra, Mapping):
         return BackendOptions(), extra
+    refuse_misspelt_keys(extra)
     options = BackendOptions.parse({k: extra[k] for k in ACCEPTED_KEYS if k in extra})
     return options, {k: v for k, v in extra.items() if k not in ACCEPTED_KEYS}
 
@@ -322,6 +328,11 @@ class VllmBackend:
             deployment = deployment_from_vllm_config(vllm_config, kda_dtypes)
         except ValueError as e:
             blockers.append(str(e))
+        if deployment is not None and deployment.expert_dtype not in BOUND_EXPERT_DTYPES:
+            # said now rather than at the first forward, where the weight binding would refuse them
+            blockers.append(f"routed experts stored as {deployment.expert_dtype}, which the weight binding "
+                            "cannot view (it holds bfloat16 experts): serve a checkpoint whose experts are "
+                            "dequantized to BF16")
         max_len = vllm_config.model_config.max_model_len
         verify = 1 if deployment is None else deployment.tokens_per_request
         if blockers:
@@ -335,8 +346,8 @@ class VllmBackend:
             return
         assert deployment is not None
         # the router counts; the dispatcher's own counters would count every pass twice
-        dispatcher = Dispatcher(options, deployment, counters=PathCounters(enabled=False),
-                                log=log)
+        dispatcher = Dispatcher(options, dataclasses.replace(deployment, steps_at_max_model_len=True),
+                                counters=PathCounters(enabled=False), log=log)
         self.startup_line = dispatcher.startup_line
         self.router = StepRouter(dispatcher, max_context=max_len, verify_tokens=verify,
                                  reporting=rank == 0, log=log)

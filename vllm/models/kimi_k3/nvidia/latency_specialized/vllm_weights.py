@@ -41,6 +41,8 @@ from .config import K3TextConfig, ShardShapes
 F32 = torch.float32
 # vLLM MoE backends (UnquantizedMoeBackend names) that keep the routed experts as loaded
 STOCK_LAYOUT_MOE_BACKENDS = ("TRITON",)
+# the routed experts' storage dtypes `ModelWeights` can view (the MoE kernels read BF16 experts)
+BOUND_EXPERT_DTYPES = ("bfloat16",)
 
 
 class BindingError(ValueError):

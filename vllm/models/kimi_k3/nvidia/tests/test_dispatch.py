@@ -96,6 +96,16 @@ def test_options_errors_list_what_is_accepted(config, fragments):
         assert f in str(info.value), str(info.value)
 
 
+def test_a_key_of_vllms_own_is_refused_outside_vllm_as_vllms_not_as_a_typo():
+    """k3-decode runs no vLLM: `kda_decode_backend` is refused, named as vLLM's key that nothing
+    here reads, not as a misspelling of `decode_backend`."""
+    with pytest.raises(ValueError) as info:
+        BackendOptions.parse({"kda_decode_backend": "triton"})
+    msg = str(info.value)
+    assert "unknown key 'kda_decode_backend'" in msg and "did you mean" not in msg, msg
+    assert "vLLM's own" in msg and "outside vLLM (k3-decode, its evals) nothing reads them" in msg, msg
+
+
 # ------------------------------------------------------------------ auto is inert
 
 

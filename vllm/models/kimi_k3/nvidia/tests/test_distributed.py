@@ -287,6 +287,24 @@ def test_launch_errors_are_clear(monkeypatch):
         TorchDistributed()
 
 
+def test_the_launch_hint_names_a_config_that_runs_at_its_tp():
+    """The hint's command once used the default tiny config, whose one head does not split over 4 ranks."""
+    import shlex
+
+    from vllm.models.kimi_k3.nvidia.latency_specialized import cli, distributed
+
+    command = distributed.LAUNCH_HINT.split("`")[1]
+    words = shlex.split(command)
+    nproc = int(words[words.index("--nproc-per-node") + 1])
+    args = words[words.index("vllm.models.kimi_k3.nvidia.latency_specialized") + 1:]
+    assert args[:1] == ["generate"] and "--config" in args, command
+    tp, config = int(args[args.index("--tp") + 1]), args[args.index("--config") + 1]
+    assert tp == nproc > 1
+    for rank in range(tp):
+        preset(config).shard(tp, rank)  # raises ConfigError for a config that does not split
+    assert "--config mini" in cli.__doc__ and "tiny runs at TP 1 only" in cli.__doc__
+
+
 def test_disable_nvlink_multicast_overrides_the_environment(monkeypatch):
     monkeypatch.setenv("NCCL_NVLS_ENABLE", "1")
     monkeypatch.delenv("NVSHMEM_DISABLE_NVLS", raising=False)

@@ -384,7 +384,7 @@ def test_eval_cli_refuses_a_length_that_cannot_fit_before_building_prompts(monke
         assert err.startswith("error: --lengths 99999999 with --batch 4 needs at least ") and "Pass shorter" in err
         assert "2 states of 4 requests x 100000255 tokens" in err, err
     # the bound is this machine's memory: a length whose footprint it holds passes the check
-    monkeypatch.setattr(cli, "_memory", lambda device: (1 << 30, "a 1 GiB stand-in"))
+    monkeypatch.setattr(cli, "usable_memory", lambda device: (1 << 30, "a 1 GiB stand-in"))
     need = cli.footprint(config_named("mini"), 2000, 2256, 4, 2)["total"]
     assert need < 1 << 30 and cli.footprint(config_named("mini"), 8000, 8256, 4, 2)["total"] > 1 << 30
     args = cli.add_parser(argparse.ArgumentParser().add_subparsers()).parse_args(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import random
 from pathlib import Path
@@ -241,6 +242,23 @@ def test_yaml_level_errors_name_the_file_and_line(tmp_path):
         Scope.load(tmp_path / "absent.yaml")
 
 
+def test_a_directory_or_a_file_that_is_not_utf8_is_a_scope_error_naming_it(tmp_path, capsys):
+    """Not IsADirectoryError's traceback, nor a UnicodeDecodeError that names no file."""
+    with pytest.raises(ScopeError) as info:
+        Scope.load(tmp_path)
+    assert str(info.value).startswith(f"{tmp_path}: a directory, not a scope file")
+    assert info.value.file == str(tmp_path) and "SCOPE.yaml" in str(info.value)
+    latin1 = tmp_path / "latin1.yaml"
+    latin1.write_bytes("model: K3 \u2014 caf\u00e9\n".encode("latin-1", errors="replace"))
+    with pytest.raises(ScopeError) as info:
+        Scope.load(latin1)
+    assert str(info.value).startswith(f"{latin1}: byte ") and "expected UTF-8 text" in str(info.value)
+    from vllm.models.kimi_k3.nvidia.latency_specialized.cli import main
+    for path in (tmp_path, latin1):
+        assert main(["scope", "--scope", str(path)]) == 2
+        assert f"k3-decode scope: {path}: " in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------ deployment admission
 
 
@@ -325,7 +343,20 @@ def test_context_beyond_the_envelope_is_a_per_step_caveat_not_a_refusal(scope):
     at_limit = scope.admits(h200(max_model_len=131072), allow_unvalidated=True)
     assert not any("context" in w for w in at_limit.warnings)
     beyond = scope.admits(h200(max_model_len=131073), allow_unvalidated=True)
-    assert beyond and "steps with context over 131072 run the standard path (max_model_len 131073)" in beyond.warnings
+    (caveat,) = [w for w in beyond.warnings if "context" in w]
+    assert beyond and caveat.startswith("steps with context over 131072 run the standard path (max_model_len 131073)")
+    assert "under vLLM that is every step" in caveat and "--max-model-len 131072 or less" in caveat
+
+
+def test_context_beyond_the_envelope_is_a_refusal_when_every_step_runs_at_max_model_len(scope):
+    """vLLM routes every step at max_model_len: a longer one admits no step, so the verdict is OFF."""
+    def under_vllm(max_model_len):
+        return dataclasses.replace(h200(max_model_len=max_model_len), steps_at_max_model_len=True)
+
+    assert scope.admits(under_vllm(131072), allow_unvalidated=True)
+    beyond = scope.admits(under_vllm(131073), allow_unvalidated=True)
+    assert not beyond
+    assert any("max_model_len 131073 over context 131072" in r for r in beyond.reasons), beyond.reasons
 
 
 def test_every_unmet_requirement_of_every_envelope_is_reported(scope):

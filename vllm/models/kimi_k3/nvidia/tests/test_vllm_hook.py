@@ -120,6 +120,26 @@ def test_bad_values_of_our_keys_are_refused_by_name(extra, message):
         hook.split_additional_config(extra)
 
 
+@pytest.mark.parametrize("extra, ours", [
+    ({"decode_backnd": "latency_specialized"}, "decode_backend"),
+    ({"Decode-Backend": "latency_specialized"}, "decode_backend"),
+    ({"decode_backend": "latency_specialized", "strict_scop": True}, "strict_scope"),
+    ({"decode_backend": "latency_specialized", "allow_unvalidate": True}, "allow_unvalidated"),
+])
+def test_a_misspelt_key_of_ours_is_refused_not_passed_to_vllm(extra, ours):
+    """Passed through, vLLM would ignore it and the backend would stay off (or not strict) silently."""
+    typo = next(k for k in extra if k != "decode_backend")
+    with pytest.raises(ValueError, match=rf"key '{typo}' is not a key of .*did you mean '{ours}'.*spell it"):
+        hook.split_additional_config(extra)
+
+
+def test_vllms_own_keys_near_ours_still_pass_through():
+    vllm_keys = {"kda_decode_backend": "triton", "glm53_kda_decode_backend": "auto",
+                 "kda_prefill_backend": "flashkda", "moe_backend": "triton", "mla_core": "auto"}
+    options, upstream = hook.split_additional_config({"decode_backend": "latency_specialized", **vllm_keys})
+    assert options.requested and upstream == vllm_keys
+
+
 # ---------------------------------------------------------------------------- step facts
 
 
@@ -324,6 +344,30 @@ def test_without_a_gpu_the_backend_is_off_and_says_why():
     assert backend.on_forward(None, 8, decode(8), graph_mode="NONE", capturing=False).reason == OUT_OF_SCOPE_REASON
 
 
+def test_a_max_model_len_over_the_envelopes_context_is_off_since_no_step_could_be_admitted(monkeypatch):
+    """Every step (and every graph capture) is routed at context max_model_len: with a longer one
+    the start-up line must say OFF and why, not ON with 'steps over ... run the standard path'."""
+    def on_h200(vllm_config, kda_dtypes):
+        return Deployment.describe(gpu="H200", tp=8, max_model_len=vllm_config.model_config.max_model_len,
+                                   expert_dtype="bfloat16")
+
+    monkeypatch.setattr(hook, "deployment_from_vllm_config", on_h200)
+    options = BackendOptions("latency_specialized", allow_unvalidated=True)
+    fits = hook.VllmBackend(vllm_config_standin(max_model_len=131072), options, tp=8, rank=0,
+                            kda_dtypes=KDA_DTYPES, log=TEST_LOG)
+    assert fits.router.enabled and "decode ON" in fits.startup_line
+    longer = hook.VllmBackend(vllm_config_standin(max_model_len=262144), options, tp=8, rank=0,
+                              kda_dtypes=KDA_DTYPES, log=TEST_LOG)
+    assert not longer.router.enabled and "decode OFF" in longer.startup_line, longer.startup_line
+    assert "max_model_len 262144 over context 131072" in longer.startup_line
+    assert "--max-model-len 131072 or less" in longer.startup_line
+    assert longer.on_forward(None, 8, decode(8), graph_mode="FULL", capturing=True).reason == OUT_OF_SCOPE_REASON
+    strict = BackendOptions("latency_specialized", strict_scope=True, allow_unvalidated=True)
+    with pytest.raises(ScopeError, match="strict_scope is set.*max_model_len 262144 over context 131072"):
+        hook.VllmBackend(vllm_config_standin(max_model_len=262144), strict, tp=8, rank=0,
+                         kda_dtypes=KDA_DTYPES, log=TEST_LOG)
+
+
 def test_vllm_features_outside_the_backend_turn_it_off_all_named_at_once():
     no_k3 = {k: v for k, v in CPU_CFG.to_hf_dict().items() if k != "linear_attn_config"}
     cfg = vllm_config_standin(pp=2, lora=object(), text=no_k3, quant=SimpleNamespace(get_name=lambda: "awq"))
@@ -338,6 +382,25 @@ def test_vllm_features_outside_the_backend_turn_it_off_all_named_at_once():
     with pytest.raises(ScopeError, match="pipeline parallel size 2.*strict_scope"):
         hook.VllmBackend(cfg, BackendOptions("latency_specialized", strict_scope=True), tp=8, rank=0,
                          kda_dtypes=KDA_DTYPES, log=TEST_LOG)
+
+
+def test_quantized_experts_turn_it_off_at_start_up_not_at_the_first_forward():
+    """The GB300 envelope declares the checkpoint's MXFP4 experts, which scope admits and the weight
+    binding refuses: the start-up line says OFF and why, instead of ON and then OFF at the first
+    forward; BF16 experts pass this check."""
+    mxfp4 = {"quant_method": "compressed-tensors",
+             "config_groups": {"group_0": {"weights": {"num_bits": 4, "type": "float", "group_size": 32}}}}
+    cfg = vllm_config_standin(quant=SimpleNamespace(get_name=lambda: "compressed-tensors"), hf_quant=mxfp4)
+    options = BackendOptions("latency_specialized", allow_unvalidated=True)
+    backend = hook.VllmBackend(cfg, options, tp=8, rank=0, kda_dtypes=KDA_DTYPES, log=TEST_LOG)
+    assert "decode OFF" in backend.startup_line and "routed experts stored as mxfp4" in backend.startup_line
+    assert backend.on_forward(None, 8, decode(8), graph_mode="FULL", capturing=True).reason == \
+        hook.VLLM_FEATURES_REASON
+    with pytest.raises(ScopeError, match="routed experts stored as mxfp4.*strict_scope"):
+        hook.VllmBackend(cfg, BackendOptions("latency_specialized", strict_scope=True, allow_unvalidated=True),
+                         tp=8, rank=0, kda_dtypes=KDA_DTYPES, log=TEST_LOG)
+    plain = hook.VllmBackend(vllm_config_standin(), options, tp=8, rank=0, kda_dtypes=KDA_DTYPES, log=TEST_LOG)
+    assert "routed experts stored as" not in plain.startup_line
 
 
 def test_plain_full_graphs_turn_it_off_since_mixed_batches_would_replay_the_decode_graphs():
