@@ -1,6 +1,7 @@
 """`k3-decode`: generate text with the K3 decoder, and show the backend's scope verdict.
 
     k3-decode generate --prompt "get k1:" --max-tokens 32 [--config tiny|mini|k3|PATH] [--temperature T]
+        [--decode-backend latency_specialized] [--additional-config '{"allow_unvalidated": true}']
     torchrun --nproc-per-node 4 -m vllm.models.kimi_k3.nvidia.latency_specialized \
         generate --tp 4 --config mini ...   (mini splits over 2 or 4 ranks; tiny runs at TP 1 only)
     k3-decode scope [--gpu GB300 --tp 16 --max-model-len 262144 --spec dspark:7]
@@ -25,6 +26,7 @@ from . import scope_cli
 from .config import ConfigError, preset
 from .distributed import add_tp_arguments, tp_generate
 from .host_memory import size_words, usable_memory
+from .options import DECODE_BACKENDS, BackendOptions
 
 
 def _plot_bench(bench_args: list[str]) -> int:
@@ -65,6 +67,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help='vLLM-style JSON, e.g. \'{"decode_backend": "latency_specialized", '
                         '"allow_unvalidated": true}\' (every SCOPE.yaml envelope is declared, not '
                         'yet validated: without allow_unvalidated the backend stays off)')
+    g.add_argument("--decode-backend", choices=DECODE_BACKENDS, default=None,
+                   help="the decode_backend key of --additional-config, given as a flag")
     g.add_argument("--stats", action="store_true", help="print the path counters after the run")
     add_tp_arguments(g)
 
@@ -120,7 +124,6 @@ def _generate(args: argparse.Namespace) -> int:
     from .deployment import Deployment
     from .dispatch import Dispatcher
     from .engine import Engine, Request, build_specialized
-    from .options import BackendOptions
     from .sampler import SamplingParams
     from .tokenizer import ByteTokenizer
     from .weights import load_rank
@@ -134,6 +137,12 @@ def _generate(args: argparse.Namespace) -> int:
     except json.JSONDecodeError as e:
         print(f"error: --additional-config is not valid JSON ({e})", file=sys.stderr)
         return 2
+    if args.decode_backend is not None and isinstance(extra, dict):
+        given = extra.setdefault("decode_backend", args.decode_backend)
+        if given != args.decode_backend:
+            print(f"error: --decode-backend {args.decode_backend} and --additional-config's decode_backend "
+                  f"{given!r} disagree; give one of them", file=sys.stderr)
+            return 2
     options = BackendOptions.parse(extra)
     cfg = preset(args.config)
     tok = ByteTokenizer()

@@ -32,6 +32,25 @@ def test_generate_with_backend_on_cpu_explains_fallback(capsys, caplog):
     assert any("no CUDA device present" in r.getMessage() for r in caplog.records)
 
 
+def test_decode_backend_flag_is_the_additional_config_key(capsys, caplog):
+    """`k3-decode generate --decode-backend latency_specialized` (issue 8's command) selects the backend
+    as the JSON key does; on a CPU it falls back and says why."""
+    rc = main(["generate", "--config", "mini", "--prompt", "x", "--max-tokens", "3",
+               "--decode-backend", "latency_specialized", "--additional-config", '{"allow_unvalidated": true}'])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "backend latency_specialized:" in out and "standard because: deployment out of scope x2" in out, out
+    assert any("no CUDA device present" in r.getMessage() for r in caplog.records)
+    # the same value twice is one choice; two different ones are refused, naming both
+    assert main(["generate", "--config", "mini", "--prompt", "x", "--max-tokens", "1", "--decode-backend",
+                 "auto", "--additional-config", '{"decode_backend": "auto"}']) == 0
+    assert "backend auto:" in capsys.readouterr().out
+    assert main(["generate", "--config", "mini", "--prompt", "x", "--decode-backend", "auto",
+                 "--additional-config", '{"decode_backend": "latency_specialized"}']) == 2
+    err = capsys.readouterr().err
+    assert "--decode-backend auto and --additional-config's decode_backend 'latency_specialized' disagree" in err
+
+
 def test_generate_defaults_to_the_tiny_checkpoint(capsys):
     from vllm.models.kimi_k3.nvidia.evals.tiny import has_checkpoint
 

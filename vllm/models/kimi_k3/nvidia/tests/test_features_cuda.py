@@ -89,6 +89,28 @@ def test_sampling_on_the_kernels_matches_the_standard_path(tiny):
 
 
 @pytest.mark.gpu
+def test_the_generate_command_serves_decode_from_the_kernels(capsys):
+    """Issue 8's command end to end: `k3-decode generate --device cuda --decode-backend
+    latency_specialized` serves every decode step from the executor's graphs, per its own summary
+    line, and prints the greedy text `--decode-backend auto` prints."""
+    from vllm.models.kimi_k3.nvidia.latency_specialized.cli import main
+
+    argv = ["generate", "--device", "cuda", "--max-tokens", "24",
+            "--prompt", "r93tz7=47751\nlfi7ig=13198\nvjmsh9=55309\n.......\nget lfi7ig vjmsh9:"]
+    outs = {}
+    for backend in ("auto", "latency_specialized"):
+        assert main([*argv, "--decode-backend", backend, "--additional-config", '{"allow_unvalidated": true}'
+                     if backend != "auto" else "{}"]) == 0
+        outs[backend] = capsys.readouterr().out.splitlines()
+    std, spec = outs["auto"], outs["latency_specialized"]
+    assert spec[0] == std[0], (std[0], spec[0])
+    summary = next(line for line in spec if line.startswith("[k3-decode]"))
+    decode = int(re.search(r"steps: 1 prefill \+ (\d+) decode;", summary).group(1))
+    assert decode > 0 and f"served by: specialized {decode}, standard 1;" in summary, summary
+    assert f"steps {decode}: specialized {decode}, standard 0" in summary and "; kernels: " in summary, summary
+
+
+@pytest.mark.gpu
 def test_structured_output_on_the_kernels(tiny):
     pytest.importorskip("xgrammar", reason="structured output needs xgrammar ([test] extra)")
     from vllm.models.kimi_k3.nvidia.latency_specialized.structured import GrammarConstraint
