@@ -11,7 +11,10 @@
 # plus a cp312 coverage wheel dropped there for record_coverage, and `bash .ci/carry_xgrammar.sh`
 # for the structured-output test), and K3_COMMIT set to the checked-out commit (a `.git` in the
 # device copy may name another). GPU tests write their
-# records into $W/ev (K3_EVIDENCE_DIR); benchmarks take `--out $W/ev`. On exit $W is packed into
+# records into $W/ev (K3_EVIDENCE_DIR), except the preserved-feature tests (test_features_cuda.py),
+# which write none: run those through `python3 -m tools.fast_track.cli record-tests`, as
+# refresh_stale does (2026-12-06: a plain pytest step passed and left no record); benchmarks
+# take `--out $W/ev`. On exit $W is packed into
 # $OUT/results.tgz: the tool returns only a few files, so one archive holds every record and log.
 # A step that could overrun BUDGET seconds (default 570) since the start is skipped, and says so.
 
