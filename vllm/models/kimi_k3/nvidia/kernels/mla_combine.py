@@ -1,7 +1,7 @@
 """Combine of the KV splits of MLA decode attention: ol = Σ_s w_s O_s / Σ_s w_s ℓ_s.
 
-Compiled for sm_90a, sm_100a and sm_103a. Evidence (H200), with `mla_decode.py` that launches
-it: `evidence/h200/mla_decode_test.json`, `mla_decode_bench.json`.
+Compiled for sm_90a, sm_100a and sm_103a. Evidence (`evidence/<card>/`), with `mla_decode.py`
+that launches it: `mla_decode_test.json`, `mla_decode_bench.json`.
 
 Math: split s of a query row left an unnormalized FP32 partial O_s = Σ_{t ∈ s} 2^(x_t − m_s) c_t
 with its max m_s and sum ℓ_s = Σ_{t ∈ s} 2^(x_t − m_s) (x = scores in log2 units, written by

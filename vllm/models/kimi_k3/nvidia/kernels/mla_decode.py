@@ -1,7 +1,7 @@
 """MLA absorbed decode attention over the paged latent cache, split over the KV length.
 
 Compiled for sm_90a, sm_100a and sm_103a (every plan of `sweep_plans` for sm_90a without
-spills). Evidence (H200): `evidence/h200/mla_decode_test.json`, `mla_decode_bench.json`
+spills). Evidence (`evidence/<card>/`): `mla_decode_test.json`, `mla_decode_bench.json`
 (`bench_mla_decode --sweep` times the `sweep_plans` variants side by side).
 
 Math (K3_MATH.md §3.5 (6); `reference/mla.py::attend_absorbed` is the oracle, read up to its
