@@ -110,7 +110,6 @@ def _shown(path: Path) -> str:
 
 
 HEADROOM = 256  # tokens past the longest prompt the executor's state holds (answer and slack)
-GiB = 1 << 30
 
 
 def state_bytes(cfg: K3TextConfig, requests: int, max_len: int) -> int:
