@@ -92,6 +92,9 @@ HOLDS_A_BLOCK = frozenset({"executor_long_runs.json", "executor_long_runs_rows64
 EV = "$K3_EVIDENCE_DIR"
 # a folder the records were written to on the device, in any session: /root/out/ev, /root/out/w/ev
 _DEVICE_EV = re.compile(r"^/root/out(/w)?/ev(/|$)")
+# a record file the device wrote elsewhere under its $OUT (2026-12-06: a judging sweep, written
+# beside ev/ and committed as evidence/h100/mla_decode_sweep.json): its refresh goes into ev/ too
+_DEVICE_OUT_JSON = re.compile(r"^/root/out/.*\.json$")
 # an eval's table is named for the card it ran on (eval_tiny_h200.md); a refresh on another card
 # names it for that one (h200_call.sh's K3_GPU_FOLDER), not for the card of the last run
 _CARD_TABLE = re.compile(r"_(h200|h100)\.md$")
@@ -101,7 +104,7 @@ def _retarget(arg: str) -> str:
     """A path into a device evidence folder, or a repository path of a record, into $K3_EVIDENCE_DIR."""
     if _DEVICE_EV.match(arg):
         arg = _DEVICE_EV.sub(EV + r"\2", arg)
-    elif "/evidence/" in arg or arg.startswith("docs/"):
+    elif "/evidence/" in arg or arg.startswith("docs/") or _DEVICE_OUT_JSON.match(arg):
         arg = f"{EV}/{Path(arg).name}"
     else:
         return arg

@@ -88,6 +88,16 @@ def test_commands_are_rewritten_for_the_device_and_split_as_one_argument_each():
     assert sanitizer[sanitizer.index("--") + 1:][:3] == ["python3", "-m", "pytest"]
 
 
+def test_a_record_written_beside_the_device_evidence_folder_is_refreshed_into_it():
+    """A judging run's `--out /root/out/w/<name>.json`, committed as a record, is made again in
+    $K3_EVIDENCE_DIR, where the call's results are collected; a device folder keeps its form."""
+    sweep = _record("python -m vllm.models.kimi_k3.nvidia.benchmarks.bench_mla_decode --long 0 --sweep "
+                    "--out /root/out/w/mla_decode_sweep.json", "mla_decode_sweep.json", kind="kernel-bench")
+    (step,) = _run_steps(refresh.step_lines([sweep]))
+    assert step[2:][step[2:].index("--out") + 1] == "/ev/mla_decode_sweep.json"
+    assert refresh._retarget("/root/out/w/before") == "/root/out/w/before"
+
+
 def test_a_record_of_fast_track_record_tests_is_made_by_it_again():
     features = _record("python3 -m pytest -q -p no:cacheprovider -m gpu vllm/models/kimi_k3/nvidia/tests/test_features_cuda.py",
                        "features_parity.json", kind="parity", family="features", exit_code=0,
