@@ -5,12 +5,15 @@
 One line per record that is not fresh (its file, why, which sources changed), then each
 distinct command of those records once, in record order: what to rerun on the GPU before
 committing the records again, and how long their last runs took (the device time to plan
-for). Files under evidence/ that hold no readable record (not JSON, not an object, no
+for; per evidence folder too when there are several, since each card's records are made on
+that card). Files under evidence/ that hold no readable record (not JSON, not an object, no
 `kind`) are listed first: nothing in them can be judged fresh, so they are never passed
 over. Exit 0 when every file is a record and every record is fresh, 1 otherwise.
 """
 
 from __future__ import annotations
+
+from pathlib import PurePosixPath
 
 from .evidence import EvidenceSet, Record
 from .items import Finding
@@ -50,6 +53,15 @@ def refresh_seconds(stale: list[tuple[Record, str]]) -> tuple[float, int]:
     return sum(took.values()), silent
 
 
+def by_folder(stale: list[tuple[Record, str]]) -> dict[str, list[tuple[Record, str]]]:
+    """The stale records grouped by the folder that holds them (evidence/h200, evidence/h100, ...),
+    in name order."""
+    groups: dict[str, list[tuple[Record, str]]] = {}
+    for item in stale:
+        groups.setdefault(PurePosixPath(item[0].rel).parent.name, []).append(item)
+    return dict(sorted(groups.items()))
+
+
 def render(stale: list[tuple[Record, str]], problems: list[Finding] | None = None) -> str:
     lines = []
     if problems:
@@ -64,6 +76,11 @@ def render(stale: list[tuple[Record, str]], problems: list[Finding] | None = Non
     seconds, silent = refresh_seconds(stale)
     lines.append(f"their last runs took {seconds:.0f} s" +
                  (f", and {silent} record(s) do not say how long" if silent else ""))
+    folders = by_folder(stale)
+    if len(folders) > 1:  # each card's records are made on that card, so each is its own plan
+        parts = [f"{name} {len(group)} record(s), {refresh_seconds(group)[0]:.0f} s"
+                 for name, group in folders.items()]
+        lines.append("by folder: " + "; ".join(parts))
     without = [r.label for r, _ in stale if not r.command.strip()]
     if without:
         lines.append(f"no command recorded for: {', '.join(without)}")

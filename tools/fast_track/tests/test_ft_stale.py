@@ -35,6 +35,22 @@ def test_the_refresh_time_counts_a_shared_command_once_and_says_what_is_unknown(
     assert (f", and {stale - 1} record(s) do not say how long" in took[0]) == (stale > 1)
 
 
+def test_the_refresh_time_is_split_by_the_folder_of_each_card(repo, monkeypatch, capsys):
+    """Records of two cards' folders are made on two machines: each folder's count and seconds."""
+    monkeypatch.chdir(repo.root)
+    record = json.loads((repo.root / PARITY).read_text())
+    (repo.root / PARITY).write_text(json.dumps({**record, "wall_s": 30.0}))
+    repo.write(f"{MODEL}/evidence/h100/parity.json", json.dumps({**record, "wall_s": 12.0}))
+    path = repo.root / KERNEL
+    path.write_text(path.read_text() + "\n# a later edit\n")
+    assert main(["stale"]) == 1
+    out = capsys.readouterr().out
+    (line,) = [x for x in out.splitlines() if x.startswith("by folder: ")]
+    assert line.startswith("by folder: h100 1 record(s), 12 s; h200 ")
+    h200 = int(out.splitlines()[0].split()[0]) - 1
+    assert f"h200 {h200} record(s), " in line
+
+
 def test_a_file_that_is_not_a_record_is_listed_and_fails(repo, monkeypatch, capsys):
     """A corrupt file or a JSON without `kind` is evidence nobody can judge: not "all fresh"."""
     monkeypatch.chdir(repo.root)
