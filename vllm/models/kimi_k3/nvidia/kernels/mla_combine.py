@@ -53,6 +53,25 @@ COL_BLOCKS = 4  # 128-column pieces of a row: 32 lanes × 4 columns
 INFO_FIELDS = 8  # request, split, splits, first slot, slot stride, valid rows, output row; 32-byte records
 
 
+# The partition of a tile's pieces and splits, written with + − * // and the given min only, so
+# the same functions run in the kernel (cutlass.min on Int32) and on the host (the CPU tests).
+
+
+def team_warps(splits, lo=cutlass.min):
+    """P: the least power of two with P · UNROLL >= splits (>= 1), at most GROUPS."""
+    p = splits * 0 + 1
+    for _ in range(GROUPS.bit_length() - 1):
+        p = p + p * lo(1, (splits - 1) // (p * UNROLL))  # doubles while p · UNROLL < splits
+    return p
+
+
+def round_piece(base, splits, team):
+    """The piece team `team` takes in the round whose first piece is `base`; a unit of split s
+    starts at base = s and steps by splits · teams, so the units of a tile and their teams take
+    every piece once."""
+    return base + splits * team
+
+
 @cute.jit
 def _merge(state: cute.Tensor, o: cute.Tensor, m_s: Float32, l_s: Float32):
     """state = (max, sum, 4 accumulators) absorbs one partial (o, m_s, l_s)."""
@@ -98,22 +117,20 @@ def _mla_combine_kernel(ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, info_pt
             res = cute.make_rmem_tensor(cute.make_layout(4), BFloat16)
             # team size P: the least power of two (<= GROUPS) whose warps take every split in one
             # batch each
-            team_warps = Int32(1)
-            for _ in cutlass.range_constexpr(GROUPS.bit_length() - 1):
-                team_warps = cutlass.select_(team_warps * UNROLL < splits, team_warps * 2, team_warps)
-            teams = GROUPS // team_warps
-            team = group // team_warps
-            member = group - team * team_warps
+            warps = team_warps(splits)
+            teams = GROUPS // warps
+            team = group // warps
+            member = group - team * warps
             pieces = valid_rows * COL_BLOCKS
             # every team passes the same barriers: the loop runs over rounds of `teams` pieces
             for base in cutlass.range(split, pieces, splits * teams):
-                piece = base + splits * team
+                piece = round_piece(base, splits, team)
                 row = piece // COL_BLOCKS
                 col4 = (piece - row * COL_BLOCKS) * 32 + lane  # which 4 columns of the row
                 if piece < pieces:
                     state.fill(0.0)
                     state[0] = -Float32.inf
-                    for s0 in cutlass.range(UNROLL * member, splits, UNROLL * team_warps):
+                    for s0 in cutlass.range(UNROLL * member, splits, UNROLL * warps):
                         # UNROLL independent loads in flight, then merged in split order; splits
                         # past the last re-read it and weigh nothing (max −inf)
                         for u in cutlass.range_constexpr(UNROLL):
@@ -129,7 +146,7 @@ def _mla_combine_kernel(ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, info_pt
                 if piece < pieces and member == 0:
                     state.fill(0.0)
                     state[0] = -Float32.inf
-                    for k in cutlass.range(team_warps):
+                    for k in cutlass.range(warps):
                         for j in cutlass.range_constexpr(4):
                             o[j] = shared[2 + j, lane, group + k]
                         _merge(state, o, shared[0, lane, group + k], shared[1, lane, group + k])

@@ -392,6 +392,23 @@ def test_every_sweep_plan_compiles_and_fits_its_residency(max_q, tmp_path):
         assert used.ctas_per_sm(plan.threads) >= plan.smem_ctas, (plan, used)
 
 
+def test_combine_teams_take_every_piece_and_every_split_once():
+    """The combine's partition, run on the host: over the units of a tile (one per split), their
+    teams and rounds, every piece of the tile once; within a team, every split once."""
+    G, U, C = mla_combine.GROUPS, mla_combine.UNROLL, mla_combine.COL_BLOCKS
+    for splits in range(2, 2 * G * U + 3):
+        p = mla_combine.team_warps(splits, min)
+        assert p == min(G, 1 << max(0, (splits - 1) // U).bit_length()), splits  # least 2^k with 2^k·U >= splits
+        teams = G // p
+        for rows in (1, 5, 16, 48):
+            pieces = rows * C
+            taken = [mla_combine.round_piece(base, splits, t) for s in range(splits)
+                     for base in range(s, pieces, splits * teams) for t in range(teams)]
+            assert sorted(x for x in taken if x < pieces) == list(range(pieces)), (splits, rows)
+        merged = [s0 + u for m in range(p) for s0 in range(U * m, splits, U * p) for u in range(U)]
+        assert sorted(x for x in merged if x < splits) == list(range(splits)), splits
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
 def test_combine_compiles_for_arch(arch, tmp_path):
     ptx = mla_combine.compile_mla_combine(32, arch, ptx_dir=str(tmp_path)).artifacts.PTX
