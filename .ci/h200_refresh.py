@@ -15,7 +15,8 @@ the lent machine runs now: `python3 -m`, records into $K3_EVIDENCE_DIR, GPU test
 `fast-track record-sanitizer` / `record-tests` with the record's own sources; a GPU test whose
 record was never committed runs too (`unrecorded_steps`). Each command appears once
 (bench_norms writes three records), in the order of KIND_ORDER (kernel tests first, sanitizer
-runs last; the longest first within a kind), with a time limit from its kind and, where the
+runs last; the longest first within a kind; with `--card`, what no card holds fresh before what
+another card does, `fresh_elsewhere`), with a time limit from its kind and, where the
 record says how long it ran (`wall_s`), the time it is expected to take, so `step` skips what
 cannot finish in the call and a later call picks it up: copy the records of one call into the
 card's folder, evidence/h200/ or evidence/h100/ (uncommitted is enough, the working tree
@@ -179,10 +180,11 @@ def by_priority(records: list[Record]) -> list[Record]:
     return sorted(records, key=key)
 
 
-def _commands(records: list[Record]) -> list[tuple[Record, str | None]]:
+def _commands(records: list[Record], seen: set[str] | None = None) -> list[tuple[Record, str | None]]:
     """Each record with its refresh command as bash text ($K3_EVIDENCE_DIR left for bash to expand),
-    None where its form is unknown; a command shared by several records only with the first."""
-    out, seen = [], set()
+    None where its form is unknown; a command shared by several records (or already in `seen`,
+    which grows) only with the first."""
+    out, seen = [], set() if seen is None else seen
     for record in records:
         cmd = device_command(record)
         text = None if cmd is None else re.sub(r"'(\$K3_EVIDENCE_DIR[^']*)'", r'"\1"', shlex.join(cmd))
@@ -211,11 +213,11 @@ def command_lines(records: list[Record]) -> list[str]:
     return lines
 
 
-def step_lines(records: list[Record]) -> list[str]:
-    """One `[EXPECT=S] step NAME LIMIT CMD` line per distinct command, $K3_EVIDENCE_DIR left for
-    bash to expand."""
+def step_lines(records: list[Record], seen: set[str] | None = None) -> list[str]:
+    """One `[EXPECT=S] step NAME LIMIT CMD` line per distinct command not in `seen` (which grows),
+    $K3_EVIDENCE_DIR left for bash to expand."""
     lines = []
-    for record, text in _commands(records):
+    for record, text in _commands(records, seen):
         name = Path(record.rel).stem
         if text is None:
             lines.append(_skipped(record, f"no rewrite for: {record.command}"))
@@ -372,6 +374,25 @@ def card_records(model: ModelFolder, card: str) -> list[Record]:
     return wanted
 
 
+def _results(record: Record) -> int:
+    results = record.data.get("results")
+    return len(results) if isinstance(results, list) else 0
+
+
+def fresh_elsewhere(model: ModelFolder, card: str) -> frozenset[str]:
+    """The record files that a folder other than evidence/CARD/ holds fresh, with as many results as
+    CARD's own record of it (the H100's pinned-routing record has TP16's 4, its TP8 half skipping
+    there; the H200's has 8): a refresh on CARD makes them after what no card has for the current
+    code (on 2026-12-06 an H200, lent rarely, would have spent its first call on records the H100
+    had just made, before TP8's, which only it can make)."""
+    evidence = EvidenceSet.load(model)
+    gpu_made = [r for r in evidence.records if _made_on_gpu(r)]
+    own = {Path(r.rel).name: _results(r) for r in gpu_made if Path(r.rel).parent.name == card}
+    return frozenset(Path(r.rel).name for r in gpu_made
+                     if Path(r.rel).parent.name != card and evidence.freshness(r).fresh
+                     and _results(r) >= own.get(Path(r.rel).name, 0))
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="the model folder (default: the only one discovered)")
@@ -413,9 +434,14 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     covered = frozenset(Path(r.rel).name for r in records)
     unrecorded = functools.partial(unrecorded_steps, model.path, model.root, args.card or "h200", covered)
+    # on one card, what another card holds fresh comes last: what no card has comes first
+    elsewhere = frozenset() if args.card is None else fresh_elsewhere(model, args.card)
+    seen: set[str] = set()
     # a kernel test never run is quick, and what every later record stands on: it goes first
-    lines = (unrecorded(kinds=frozenset({"kernel-test"})) + step_lines(records)
-             + unrecorded(kinds=frozenset({"parity"})))
+    lines = (unrecorded(kinds=frozenset({"kernel-test"}))
+             + step_lines([r for r in records if Path(r.rel).name not in elsewhere], seen)
+             + unrecorded(kinds=frozenset({"parity"}))
+             + step_lines([r for r in records if Path(r.rel).name in elsewhere], seen))
     timed = frozenset(Path(r.rel).stem for r in records if r.kind in TIMED_KINDS)
     print("\n".join(on_gpus(lines, args.gpus, args.lanes, timed, frozenset(Path(n).stem for n in HOLDS_A_BLOCK))))
     return 0

@@ -283,6 +283,37 @@ def test_on_one_card_its_stale_records_and_those_only_other_cards_have_are_made(
         "m/evidence/h100/a.json", "m/evidence/h100/c.json", "m/evidence/h200/b.json"]
 
 
+def test_on_one_card_what_no_card_holds_fresh_runs_before_what_another_card_holds(tmp_path, monkeypatch, capsys):
+    """`--card h200`: its stale records that no other card holds fresh come first, then what the
+    H100 holds fresh; a fresh H100 record with fewer results than the H200's (a TP8 half that
+    skipped there) does not count as held, and a command shared across the groups runs once."""
+    from tools.fast_track.evidence import source_hash
+
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "SCOPE.yaml").write_text("model: m\n")
+    (tmp_path / "m" / "k.py").write_text("x = 1\n")
+    fresh = source_hash(tmp_path, ["m/k.py"])
+
+    def put(card: str, name: str, digest: str, results: int, command: str | None = None) -> None:
+        folder = tmp_path / "m" / "evidence" / card
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{name}.json").write_text(json.dumps({
+            "kind": "parity", "command": command or f"pytest -m gpu m/tests/test_{name}.py",
+            "gpu": f"NVIDIA {card.upper()}", "sources": ["m/k.py"], "source_hash": digest,
+            "source_hashes": {}, "results": [{"status": "pass"}] * results, "wall_s": 100.0 - results}))
+
+    shared = "pytest -m gpu m/tests/test_shared.py"
+    for name in ("held", "half", "alone", "s1", "s2"):
+        put("h200", name, "0" * 64, 8, shared if name.startswith("s") else None)
+    put("h100", "held", fresh, 8)
+    put("h100", "half", fresh, 4)
+    put("h100", "s2", fresh, 8, shared)
+    monkeypatch.chdir(tmp_path)
+    assert refresh.main(["--model", "m", "--card", "h200"]) == 0
+    names = [line.split()[2] for line in capsys.readouterr().out.splitlines() if " step " in f" {line}"]
+    assert names == ["alone", "half", "s1", "held"], names
+
+
 def test_main_lists_every_stale_record_and_refuses_an_unreadable_one(tmp_path, monkeypatch, capsys):
     """With no --card, every stale GPU record gets a step; an evidence file that holds no record
     stops the refresh by name, since no step could ever make it again."""
