@@ -375,11 +375,6 @@ def card_records(model: ModelFolder, card: str) -> list[Record]:
     return wanted
 
 
-def _results(record: Record) -> int:
-    results = record.data.get("results")
-    return len(results) if isinstance(results, list) else 0
-
-
 def fresh_elsewhere(model: ModelFolder, card: str) -> frozenset[str]:
     """The record files that a folder other than evidence/CARD/ holds fresh, with as many results as
     CARD's own record of it (the H100's pinned-routing record has TP16's 4, its TP8 half skipping
@@ -388,10 +383,10 @@ def fresh_elsewhere(model: ModelFolder, card: str) -> frozenset[str]:
     had just made, before TP8's, which only it can make)."""
     evidence = EvidenceSet.load(model)
     gpu_made = [r for r in evidence.records if _made_on_gpu(r)]
-    own = {Path(r.rel).name: _results(r) for r in gpu_made if Path(r.rel).parent.name == card}
+    own = {Path(r.rel).name: len(r.results) for r in gpu_made if Path(r.rel).parent.name == card}
     return frozenset(Path(r.rel).name for r in gpu_made
                      if Path(r.rel).parent.name != card and evidence.freshness(r).fresh
-                     and _results(r) >= own.get(Path(r.rel).name, 0))
+                     and len(r.results) >= own.get(Path(r.rel).name, 0))
 
 
 def main(argv: list[str] | None = None) -> int:
