@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
 
 import pytest
 
@@ -252,24 +253,32 @@ def test_a_gpu_test_whose_record_was_never_committed_gets_a_step(tmp_path):
                    "python3 -m pytest -q -p no:cacheprovider -m gpu m/tests/test_tp8.py"]
 
 
-def test_on_one_card_its_stale_records_and_those_only_other_cards_have_are_made(tmp_path):
-    """`--card h100`: the H100's stale records, and the H200's records the H100 has none of (made
-    by their commands); its fresh ones, and what the H200 alone has stale, are not its business."""
+def _cards_model(root: Path) -> tuple[str, Callable[..., None]]:
+    """A model folder `m` with one source, m/k.py: its fresh hash, and `put(card, name, digest,
+    **fields)`, which writes m/evidence/CARD/NAME.json, a kernel-test record of that source made on
+    CARD (a field given replaces the default: kind, command, gpu)."""
     from tools.fast_track.evidence import source_hash
-    from tools.fast_track.model import ModelFolder
 
-    (tmp_path / "m").mkdir()
-    (tmp_path / "m" / "k.py").write_text("x = 1\n")
-    fresh = source_hash(tmp_path, ["m/k.py"])
+    (root / "m").mkdir()
+    (root / "m" / "k.py").write_text("x = 1\n")
 
-    def put(card: str, name: str, digest: str, gpu: str | None = None) -> None:
-        folder = tmp_path / "m" / "evidence" / card
+    def put(card: str, name: str, digest: str, **fields) -> None:
+        folder = root / "m" / "evidence" / card
         folder.mkdir(parents=True, exist_ok=True)
         (folder / f"{name}.json").write_text(json.dumps({
             "kind": "kernel-test", "command": f"pytest -m gpu m/tests/test_{name}.py",
-            "gpu": gpu if gpu is not None else f"NVIDIA {card.upper()}", "sources": ["m/k.py"],
-            "source_hash": digest, "source_hashes": {}}))
+            "gpu": f"NVIDIA {card.upper()}", "sources": ["m/k.py"], "source_hash": digest,
+            "source_hashes": {}, **fields}))
 
+    return source_hash(root, ["m/k.py"]), put
+
+
+def test_on_one_card_its_stale_records_and_those_only_other_cards_have_are_made(tmp_path):
+    """`--card h100`: the H100's stale records, and the H200's records the H100 has none of (made
+    by their commands); its fresh ones, and what the H200 alone has stale, are not its business."""
+    from tools.fast_track.model import ModelFolder
+
+    fresh, put = _cards_model(tmp_path)
     put("h200", "a", fresh)
     put("h200", "b", "0" * 64)  # stale, and the H100 has no b
     put("h200", "c", fresh)
@@ -287,20 +296,12 @@ def test_on_one_card_what_no_card_holds_fresh_runs_before_what_another_card_hold
     """`--card h200`: its stale records that no other card holds fresh come first, then what the
     H100 holds fresh; a fresh H100 record with fewer results than the H200's (a TP8 half that
     skipped there) does not count as held, and a command shared across the groups runs once."""
-    from tools.fast_track.evidence import source_hash
-
-    (tmp_path / "m").mkdir()
+    fresh, put_record = _cards_model(tmp_path)
     (tmp_path / "m" / "SCOPE.yaml").write_text("model: m\n")
-    (tmp_path / "m" / "k.py").write_text("x = 1\n")
-    fresh = source_hash(tmp_path, ["m/k.py"])
 
     def put(card: str, name: str, digest: str, results: int, command: str | None = None) -> None:
-        folder = tmp_path / "m" / "evidence" / card
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / f"{name}.json").write_text(json.dumps({
-            "kind": "parity", "command": command or f"pytest -m gpu m/tests/test_{name}.py",
-            "gpu": f"NVIDIA {card.upper()}", "sources": ["m/k.py"], "source_hash": digest,
-            "source_hashes": {}, "results": [{"status": "pass"}] * results, "wall_s": 50.0}))
+        put_record(card, name, digest, kind="parity", results=[{"status": "pass"}] * results, wall_s=50.0,
+                   **({"command": command} if command else {}))
 
     shared = "pytest -m gpu m/tests/test_shared.py"
     for name in ("held", "half", "alone", "s1", "s2"):
