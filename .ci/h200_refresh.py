@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from tools.fast_track.evidence import EvidenceSet, Record  # noqa: E402
-from tools.fast_track.model import ModelError, ModelFolder, discover  # noqa: E402
+from tools.fast_track.model import ModelError, discover  # noqa: E402
 from tools.fast_track.stale import stale_records  # noqa: E402
 
 # seconds; measured on the H200 (2026-12-03) and given headroom: eval 188-205 s, decode records
@@ -356,11 +356,10 @@ def gpu_records(stale: list[tuple[Record, str]]) -> list[Record]:
     return [r for r, _ in stale if _made_on_gpu(r)]
 
 
-def card_records(model: ModelFolder, card: str) -> list[Record]:
+def card_records(evidence: EvidenceSet, card: str) -> list[Record]:
     """What a refresh on one card (its evidence/CARD/ folder: h200, h100) makes: the card's own
     stale records, and each GPU record that only other cards have, made again by its command (the
     H100 envelope began on 2026-12-05 with none of the H200's long runs)."""
-    evidence = EvidenceSet.load(model)
     gpu_made = [r for r in evidence.records if _made_on_gpu(r)]
     own = {Path(r.rel).name for r in gpu_made if Path(r.rel).parent.name == card}
     wanted, borrowed = [], set()
@@ -375,13 +374,12 @@ def card_records(model: ModelFolder, card: str) -> list[Record]:
     return wanted
 
 
-def fresh_elsewhere(model: ModelFolder, card: str) -> frozenset[str]:
+def fresh_elsewhere(evidence: EvidenceSet, card: str) -> frozenset[str]:
     """The record files that a folder other than evidence/CARD/ holds fresh, with as many results as
     CARD's own record of it (the H100's pinned-routing record has TP16's 4, its TP8 half skipping
     there; the H200's has 8): a refresh on CARD makes them after what no card has for the current
     code (on 2026-12-06 an H200, lent rarely, would have spent its first call on records the H100
     had just made, before TP8's, which only it can make)."""
-    evidence = EvidenceSet.load(model)
     gpu_made = [r for r in evidence.records if _made_on_gpu(r)]
     own = {Path(r.rel).name: len(r.results) for r in gpu_made if Path(r.rel).parent.name == card}
     return frozenset(Path(r.rel).name for r in gpu_made
@@ -418,7 +416,9 @@ def main(argv: list[str] | None = None) -> int:
     if unreadable:  # no command can be read from such a file, so no step would ever make it again
         sys.exit("h200_refresh: evidence files that hold no readable record; fix or remove them first:\n"
                  + "\n".join(f"  {p.path}: {p.message}" for p in unreadable))
-    records = by_priority(gpu_records(stale) if args.card is None else card_records(model, args.card))
+    # one load for both uses on a card: its freshness hashes every record's sources (about 1.4 s)
+    evidence = None if args.card is None else EvidenceSet.load(model)
+    records = by_priority(gpu_records(stale) if evidence is None else card_records(evidence, args.card))
     if args.evidence is not None:
         folder = (Path.cwd() / args.evidence).resolve()
         if not folder.is_dir():
@@ -431,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
     covered = frozenset(Path(r.rel).name for r in records)
     unrecorded = functools.partial(unrecorded_steps, model.path, model.root, args.card or "h200", covered)
     # on one card, what another card holds fresh comes last: what no card has comes first
-    elsewhere = frozenset() if args.card is None else fresh_elsewhere(model, args.card)
+    elsewhere = frozenset() if evidence is None else fresh_elsewhere(evidence, args.card)
     seen: set[str] = set()
     # a kernel test never run is quick, and what every later record stands on: it goes first
     lines = (unrecorded(kinds=frozenset({"kernel-test"}))

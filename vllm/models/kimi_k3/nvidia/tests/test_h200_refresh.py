@@ -276,6 +276,7 @@ def _cards_model(root: Path) -> tuple[str, Callable[..., None]]:
 def test_on_one_card_its_stale_records_and_those_only_other_cards_have_are_made(tmp_path):
     """`--card h100`: the H100's stale records, and the H200's records the H100 has none of (made
     by their commands); its fresh ones, and what the H200 alone has stale, are not its business."""
+    from tools.fast_track.evidence import EvidenceSet
     from tools.fast_track.model import ModelFolder
 
     fresh, put = _cards_model(tmp_path)
@@ -285,7 +286,7 @@ def test_on_one_card_its_stale_records_and_those_only_other_cards_have_are_made(
     put("h100", "a", "0" * 64)  # stale on the H100
     put("h100", "c", fresh)
     put("cpu", "d", "0" * 64, gpu="none")  # a CPU's record is the CPU's
-    model = ModelFolder(tmp_path, "m")
+    model = EvidenceSet.load(ModelFolder(tmp_path, "m"))
     assert sorted(r.rel for r in refresh.card_records(model, "h100")) == ["m/evidence/h100/a.json", "m/evidence/h200/b.json"]
     assert [r.rel for r in refresh.card_records(model, "h200")] == ["m/evidence/h200/b.json"]
     assert sorted(r.rel for r in refresh.card_records(model, "b200")) == [  # a new card: all it lacks
