@@ -127,14 +127,21 @@ class DecodePlan:
     chunk: int = 64  # 32 or 64 tokens per stage
     waves: int = 1
     min_chunks: int = 2
+    mma: str = "sync"  # "sync": this file's kernel (mma.sync); "wgmma": mla_decode_wgmma's (sm_90a)
 
     def __post_init__(self) -> None:
-        if (self.warps not in (4, 8) or self.chunk not in (32, 64) or self.chunk % (8 * self.warps)
-                or not 1 <= self.m_tiles <= 4 or self.m_tiles * self.warp_cols > 256
-                or not 2 <= self.stages <= 8 or self.waves < 1 or self.min_chunks < 1):
-            raise ValueError(f"{self}: need warps 4 or 8, chunk 32 or 64 with 8·warps | chunk, m_tiles 1..4 with "
-                             "m_tiles · 512 / warps <= 256 (64 FP32 accumulators per 16 rows and 128 columns), "
-                             "stages 2..8, waves >= 1, min_chunks >= 1")
+        if self.mma == "wgmma":
+            if (self.warps, self.m_tiles) != (8, 4) or self.chunk not in (32, 64) or not 2 <= self.stages <= 8:
+                raise ValueError(f"{self}: a wgmma plan has 8 warps (two warpgroups), m_tiles 4 (64 query rows), "
+                                 "chunk 32 or 64, stages 2..8")
+        elif (self.mma != "sync" or self.warps not in (4, 8) or self.chunk not in (32, 64)
+                or self.chunk % (8 * self.warps) or not 1 <= self.m_tiles <= 4 or self.m_tiles * self.warp_cols > 256
+                or not 2 <= self.stages <= 8):
+            raise ValueError(f"{self}: need mma 'sync' or 'wgmma'; warps 4 or 8, chunk 32 or 64 with 8·warps | chunk, "
+                             "m_tiles 1..4 with m_tiles · 512 / warps <= 256 (64 FP32 accumulators per 16 rows and "
+                             "128 columns), stages 2..8")
+        if self.waves < 1 or self.min_chunks < 1:
+            raise ValueError(f"{self}: need waves >= 1, min_chunks >= 1")
 
     @property
     def threads(self) -> int:
@@ -171,7 +178,7 @@ class DecodePlan:
     @property
     def kernel_key(self) -> tuple[int, ...]:
         """What a compile depends on (the split policy is not compiled)."""
-        return (self.heads, self.max_q, self.block_size, self.m_tiles, self.stages, self.warps, self.chunk)
+        return (self.heads, self.max_q, self.block_size, self.m_tiles, self.stages, self.warps, self.chunk, self.mma)
 
     @property
     def smem_ctas(self) -> int:
@@ -180,6 +187,8 @@ class DecodePlan:
 
     @property
     def smem_bytes(self) -> int:
+        if self.mma == "wgmma":  # unpadded swizzled rows, 1 KB aligned; no weights or statistics
+            return 2 * (self.tile_rows + self.stages * self.chunk) * ROW + 1024
         ring = 2 * self.stages * self.chunk * PITCH
         q_tile = 2 * self.tile_rows * PITCH
         weights = 2 * self.tile_rows * self.p_pitch
@@ -187,15 +196,22 @@ class DecodePlan:
         return ring + q_tile + weights + stats + 4 * 128  # alignment slack
 
 
-def choose_plan(heads: int, max_q: int, block_size: int) -> DecodePlan:
+WGMMA_ARCHS = ("sm_90a",)
+
+
+def choose_plan(heads: int, max_q: int, block_size: int, arch: str | None = None) -> DecodePlan:
     """The default. Up to 32 query rows (plain decode at TP8/TP16): 4 warps streaming 64-token
     chunks through a 2-stage ring (150 KB: one 74 KB chunk in flight while the other is
     computed), one CTA of 128 threads per SM, one or two 16-row tiles. More rows (verify):
     8 warps (64 value columns each, so 3 tiles of accumulators fit in registers) and the tiles
     per CTA (1..3; 4 needs more than 227 KB) that cut the rows into the fewest CTA tiles, then
     the least padding (48 rows: one tile; 96: two tiles of 48, so each cache row is read twice,
-    not three times as with 32-row tiles). One wave of work units (`default_target`)."""
+    not three times as with 32-row tiles). One wave of work units (`default_target`).
+    On sm_90a (`arch`), more than 32 rows go to the wgmma kernel (`mla_decode_wgmma`): 64-row
+    tiles, 64-token chunks in 2 stages."""
     rows = heads * max_q
+    if rows > 32 and arch in WGMMA_ARCHS:
+        return DecodePlan(heads, max_q, block_size, m_tiles=4, warps=8, mma="wgmma")
     if rows <= 32:
         return DecodePlan(heads, max_q, block_size, m_tiles=-(-rows // 16), warps=4)
     fits = [m for m in range(1, 5)
@@ -204,9 +220,12 @@ def choose_plan(heads: int, max_q: int, block_size: int) -> DecodePlan:
     return DecodePlan(heads, max_q, block_size, m_tiles=m_tiles, warps=8)
 
 
-def sweep_plans(heads: int, max_q: int, block_size: int) -> list[DecodePlan]:
+def sweep_plans(heads: int, max_q: int, block_size: int, arch: str | None = None) -> list[DecodePlan]:
     """The default plan first, then the variants a benchmark compares with it."""
-    base = choose_plan(heads, max_q, block_size)
+    base = choose_plan(heads, max_q, block_size, arch)
+    if base.mma == "wgmma":  # against the mma.sync kernel's default, and the shorter stages
+        return [base, choose_plan(heads, max_q, block_size), replace(base, chunk=32, stages=4),
+                replace(base, waves=2)]
     rows = heads * max_q
     variants = [replace(base, **kw) for kw in (
         {"warps": 4, "chunk": 32, "stages": 4, "m_tiles": min(2, base.m_tiles), "waves": 4,
@@ -674,6 +693,9 @@ def _mla_decode_host(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cu
 def compile_mla_decode(plan: DecodePlan, arch: str, ptx_dir: str | None = None) -> Any:
     """Compile one variant for `arch` ('sm_90a', 'sm_100a', 'sm_103a'); needs no GPU. With `ptx_dir`
     the PTX and cubin are kept (written there, and in the result's `artifacts.PTX` / `.CUBIN`)."""
+    if plan.mma == "wgmma":
+        from .mla_decode_wgmma import compile_mla_decode_wgmma  # it imports this module's helpers
+        return compile_mla_decode_wgmma(plan, arch, ptx_dir)
     bf, i32, f32 = gmem_ptr(BFloat16, 16), gmem_ptr(Int32, 16, 4), gmem_ptr(Float32, 16)
     return cute.compile(_mla_decode_host, bf, bf, i32, i32, i32, bf, f32, f32, i32,
                         Int32(1), Int32(1), Int32(2), Int32(1), Int32(1), Int32(1), Int32(1), Float32(1.0),
@@ -778,7 +800,8 @@ def launch(q_lat: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
     rows, heads, _ = q_lat.shape
     requests, max_blocks = block_table.shape
     num_blocks, block_size, _ = cache.shape
-    plan = plan or choose_plan(heads, max_q, block_size)
+    dev = facts(q_lat.device)
+    plan = plan or choose_plan(heads, max_q, block_size, dev.arch)
     _need(plan.heads == heads and plan.max_q == max_q and plan.block_size == block_size,
           f"{plan} does not match heads={heads}, max_q={max_q}, block_size={block_size}")
     _need(plan.smem_bytes <= SMEM_PER_CTA, f"{plan} needs {plan.smem_bytes} B of shared memory per CTA, "
@@ -787,7 +810,6 @@ def launch(q_lat: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
     _need(positions <= 2 ** 30 and requests * -(-positions // plan.chunk) * plan.max_tiles < 2 ** 31,
           f"block_table covers {positions} positions per request, too many for the int32 schedule; "
           "shorten max_blocks")
-    dev = facts(q_lat.device)
     target = target or default_target(dev.sm_count, plan)
     min_chunks = plan.min_chunks if min_chunks is None else min_chunks
     _need(target >= 1 and min_chunks >= 1, f"target={target} and min_chunks={min_chunks} must be >= 1")

@@ -36,6 +36,7 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip 
 
 from vllm.models.kimi_k3.nvidia.kernels import mla_combine, mla_decode  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.cubin_resources import kernel_resources  # noqa: E402
+from vllm.models.kimi_k3.nvidia.kernels.device import facts  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.mla_decode import DecodePlan, schedule  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_kernel_test  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._util import rel_err  # noqa: E402
@@ -48,7 +49,7 @@ ROW = R_KV + D_R
 # bf16 weights p in P·V (2^-9 relative each) and the bf16 output rounding: 3e-4 .. 1.9e-3 in
 # the CPU model below (four distributions); the bound leaves room for the GPU's FP32 orders
 REL_ERR_BOUND = 5e-3
-SOURCES = ("vllm/models/kimi_k3/nvidia/kernels/mla_decode.py",
+SOURCES = ("vllm/models/kimi_k3/nvidia/kernels/mla_decode.py", "vllm/models/kimi_k3/nvidia/kernels/mla_decode_wgmma.py",
            "vllm/models/kimi_k3/nvidia/kernels/mla_combine.py",
            "vllm/models/kimi_k3/nvidia/tests/test_mla_decode_kernel.py")
 
@@ -515,7 +516,7 @@ def test_every_sweep_plan_matches_reference(heads, q, lengths, evidence):
     """Each variant the benchmark may time or pick, with its own split policy (waves, minimum
     chunks per split), computes what the default does."""
     failures = []
-    for plan in mla_decode.sweep_plans(heads, q, 64):
+    for plan in mla_decode.sweep_plans(heads, q, 64, facts(torch.device("cuda")).arch):
         b = Batch(lengths, [q] * len(lengths), heads, 64, "normal", 31 + heads + q, "cuda")
         failures += _run_case(f"sweep h={heads} q={q} {plan}", b, evidence, plan=plan)
     assert not failures, "; ".join(failures)

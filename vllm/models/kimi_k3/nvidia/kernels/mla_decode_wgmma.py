@@ -1,0 +1,313 @@
+"""MLA absorbed decode attention for verify steps on Hopper: the split kernel of `mla_decode` on wgmma.
+
+Math, schedule, workspace and combine: `mla_decode`'s (its docstring), for a plan with
+`mma="wgmma"`: 64-row query tiles, the scores s = τ · q_lat · kv_t and the values Σ p c_t as
+warpgroup MMAs, FP32 statistics and accumulators, the weights p rounded to bf16 for P·V and
+summed unrounded.
+
+Envelope: `mla_decode.launch`'s, on sm_90a only (wgmma); `choose_plan` takes it for more than
+32 query rows a request (12 heads × 3 tokens and up: speculative verify at TP8 and TP16).
+
+Design (why not the mma.sync kernel): at 48-96 query rows that kernel is bound by its
+shared-memory port, not by HBM (each warp reloads every Q fragment for every chunk through
+ldmatrix: 442 KB of shared reads per 74 KB chunk at 48 rows). Here the operands stay in shared
+memory and wgmma reads them from there.
+- CTA = two warpgroups on one work unit (request, 64-row query tile, KV split). Both compute
+  the same scores S = Q · K^T (64 × chunk; A = the query tile, B = the cache chunk, both K-major
+  in 128-byte swizzled shared memory) and the same online softmax, so they never exchange
+  weights; warpgroup g accumulates value columns 256·g .. 256·g + 255 (128 FP32 registers a
+  thread) from P held in registers (the S accumulator's layout is wgmma's register A layout).
+- V is the same shared-memory bytes as K: a K-major 128-byte-swizzled [tokens, 64] block and
+  an MN-major one of [64, tokens] place every element alike, so B of P·V views the ring stage
+  directly (`test_mla_decode_wgmma_layouts` checks the equality on the CPU).
+- The cache rows are gathered through the block table with cp.async into a `stages`-deep ring
+  of `chunk`-token stages (rows past the split's end repeat its last row, so every value read
+  is finite; their scores are masked), the query tile with it; each thread fences its copies to
+  the async proxy before the barrier that hands a stage to the MMAs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import cuda.bindings.driver as cuda
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90
+from cutlass import BFloat16, Constexpr, Float32, Int32, Int64
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.utils import LayoutEnum
+
+from . import mla_combine
+from .mla_decode import (INFO, LATENT, ROW, ROW_VECS, VEC, _chunk_rows, _locate, _quad_max, _quad_sum,
+                         split_range)
+from .rms_norm import gmem_ptr
+
+ARCHS = ("sm_90a",)
+TILE_ROWS = 64  # one wgmma M tile of query rows
+HALF = LATENT // 2  # value columns per warpgroup
+WARPS = 8
+BLOCK = 64  # elements of one 128-byte swizzle row
+
+
+def swizzled(row: Int32, vec: Int32, rows: int) -> Int32:
+    """Element offset of 16-byte vector `vec` (of 72) of row `row` in a K-major 128-byte-swizzled
+    [rows, 576] bf16 tile: 64-column blocks of rows · 64 elements, rows of 128 bytes, the vector's
+    slot in its row XORed with the row mod 8 (`sm90.make_smem_layout_a/b` with ROW_MAJOR)."""
+    return (vec // 8) * (rows * BLOCK) + row * BLOCK + VEC * ((vec % 8) ^ (row % 8))
+
+
+@cute.jit
+def _smem_vec(base: Int32, offset: Int32) -> cute.Tensor:
+    """The 16-byte vector at element `offset` of the bf16 shared-memory buffer at address `base`."""
+    return cute.make_tensor(cute.make_ptr(BFloat16, base + 2 * offset, cute.AddressSpace.smem, assumed_align=16),
+                            cute.make_layout(VEC))
+
+
+@cute.jit
+def _issue_chunk(g2s: cute.CopyAtom, cache_base: Int64, phys: cute.Tensor, ring: Int32, stage: Int32,
+                 warp: Int32, lane: Int32, chunk: Constexpr):
+    """cp.async of the warp's cache rows (72 16-byte vectors each) into ring stage `stage`."""
+    for k in cutlass.range_constexpr(chunk // WARPS):
+        src = cute.make_tensor(
+            cute.make_ptr(BFloat16, cache_base + Int64(phys[k]) * (2 * ROW), cute.AddressSpace.gmem,
+                          assumed_align=16),
+            cute.make_layout((VEC, ROW_VECS), stride=(1, VEC)))
+        row = warp + WARPS * k
+        for v in cutlass.range_constexpr(3):
+            vec = lane + 32 * v
+            if v < 2 or lane < ROW_VECS - 64:
+                cute.copy(g2s, src[None, vec], _smem_vec(ring, stage * (chunk * ROW) + swizzled(row, vec, chunk)))
+
+
+@cute.kernel
+def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointer, lens_ptr: cute.Pointer,
+            starts_ptr: cute.Pointer, out_ptr: cute.Pointer, ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer,
+            info_ptr: cute.Pointer, rows: Int32, requests: Int32, num_blocks: Int32, max_blocks: Int32,
+            slots: Int32, target: Int32, min_chunks: Int32, scale_log2: Float32,
+            mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, q_layout: cute.ComposedLayout,
+            k_layout: cute.ComposedLayout, v_layout: cute.ComposedLayout, plan: Constexpr):
+    cute.arch.griddepcontrol_launch_dependents()  # as in mla_decode
+    tid, _, _ = cute.arch.thread_idx()
+    unit, _, _ = cute.arch.block_idx()
+    lane = tid % 32
+    warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+    group = warp // 4  # warpgroup: value columns HALF·group ..
+    wg_tid = tid % 128
+    heads, stages, chunk, block_size = plan.heads, plan.stages, plan.chunk, plan.block_size
+
+    lens = cute.make_tensor(lens_ptr, cute.make_layout(requests))
+    starts = cute.make_tensor(starts_ptr, cute.make_layout(requests + 1))
+    table = cute.make_tensor(table_ptr, cute.make_layout(requests * max_blocks))
+    cap = max_blocks * block_size
+    req, tile, split, splits, first, tiles, length, row0, q, chunks = _locate(
+        lens, starts, unit, lane, requests, rows, cap, target, min_chunks, plan)
+    valid_rows = cutlass.min(TILE_ROWS, heads * q - tile * TILE_ROWS)
+    out_base = row0 * heads + tile * TILE_ROWS
+    has_work = req < requests
+
+    info = cute.make_tensor(info_ptr, cute.make_layout((slots, INFO), stride=(INFO, 1)))
+    if tid == 0:
+        info[unit, 0] = cutlass.select_(has_work, req, Int32(-1))
+        info[unit, 1] = split
+        info[unit, 2] = splits
+        info[unit, 3] = first + tile
+        info[unit, 4] = tiles
+        info[unit, 5] = valid_rows
+        info[unit, 6] = out_base
+
+    if has_work:
+        c0, c1 = split_range(chunks, splits, split)
+        token_end = cutlass.min(c1 * chunk, length)
+        n_chunks = c1 - c0
+
+        smem = cutlass.memory.SmemAllocator()
+        q_raw = smem.allocate_tensor(BFloat16, cute.make_layout(TILE_ROWS * ROW), byte_alignment=1024)
+        ring_raw = smem.allocate_tensor(BFloat16, cute.make_layout(stages * chunk * ROW), byte_alignment=1024)
+        q_swz = cute.recast_ptr(q_raw.iterator, q_layout.inner, dtype=BFloat16)
+        ring_swz = cute.recast_ptr(ring_raw.iterator, k_layout.inner, dtype=BFloat16)
+        g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
+                                  BFloat16, num_bits_per_copy=128)
+
+        # the query tile (padding rows repeat the last real query; they are never stored)
+        q_vecs = cute.make_tensor(q_ptr, cute.make_layout((VEC, rows * heads, ROW_VECS), stride=(1, ROW, VEC)))
+        for k in cutlass.range_constexpr(TILE_ROWS * ROW_VECS // (32 * WARPS)):
+            idx = tid + 32 * WARPS * k
+            row = idx // ROW_VECS
+            vec = idx - row * ROW_VECS
+            src_row = out_base + cutlass.min(row, valid_rows - 1)
+            cute.copy(g2s, q_vecs[None, src_row, vec], _smem_vec(q_raw.iterator.toint(), swizzled(row, vec, TILE_ROWS)))
+
+        cache_base = cache_ptr.toint()
+        ring_base = ring_raw.iterator.toint()
+        table_row = req * max_blocks
+        phys = cute.make_rmem_tensor(cute.make_layout(chunk // WARPS), Int32)
+        for p in cutlass.range_constexpr(stages - 1):
+            if p < n_chunks:
+                _chunk_rows(phys, table, c0 + p, token_end, warp, table_row, num_blocks, block_size, chunk, WARPS)
+                _issue_chunk(g2s, cache_base, phys, ring_base, Int32(p), warp, lane, chunk)
+            cute.arch.cp_async_commit_group()  # one group per stage, empty or not: uniform waits
+        _chunk_rows(phys, table, cutlass.min(c0 + stages - 1, c1 - 1), token_end, warp, table_row, num_blocks,
+                    block_size, chunk, WARPS)
+
+        thr_qk = mma_qk.get_slice(wg_tid)
+        thr_pv = mma_pv.get_slice(wg_tid)
+        frag_q = mma_qk.make_fragment_A(thr_qk.partition_A(cute.make_tensor(q_swz, q_layout.outer)))
+        s_coords = thr_qk.partition_C(cute.make_identity_tensor((TILE_ROWS, chunk)))
+        acc_s = cute.make_rmem_tensor(s_coords.shape, Float32)
+        o_coords = thr_pv.partition_C(cute.make_identity_tensor((TILE_ROWS, HALF)))
+        acc_o = cute.make_rmem_tensor(o_coords.shape, Float32)
+        acc_o.fill(0.0)
+        mma_qk.set(warpgroup.Field.ACCUMULATE, True)
+        mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+        # the weights in bf16, viewed as P·V's register A operand: S's n8 blocks 2k, 2k+1 are the
+        # k16 block k of A (values: column pair, row + 8, k + 8)
+        p_bf = cute.make_rmem_tensor(cute.size(acc_s), BFloat16)
+        p_a = cute.make_tensor(p_bf.iterator, cute.make_layout(((2, 2, 2), 1, chunk // 16),
+                                                              stride=((1, 2, 4), 0, 8)))
+
+        # a thread holds rows r and r + 8 (value bit 1); how far each may look (verify rows are causal)
+        limit = cute.make_rmem_tensor(cute.make_layout(2), Int32)
+        for v1 in cutlass.range_constexpr(2):
+            row = s_coords[2 * v1][0]
+            token = (tile * TILE_ROWS + row) // heads
+            limit[v1] = cutlass.select_(row < valid_rows, cutlass.min(length - q + token + 1, token_end), token_end)
+        run_max = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+        run_sum = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+        rescale = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+        run_max.fill(-Float32.inf)
+        run_sum.fill(0.0)
+
+        for it in cutlass.range(n_chunks):
+            cute.arch.cp_async_wait_group(stages - 2)
+            # chunk `it` (and the query tile) landed; hand it to wgmma's async proxy, then wait for
+            # every thread's copies and for both warpgroups' MMAs on chunk it − 1, whose stage is
+            # refilled next
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.sync_threads()
+            ahead = it + stages - 1
+            if ahead < n_chunks:
+                _issue_chunk(g2s, cache_base, phys, ring_base, ahead % stages, warp, lane, chunk)
+                if ahead + 1 < n_chunks:
+                    _chunk_rows(phys, table, c0 + ahead + 1, token_end, warp, table_row, num_blocks, block_size,
+                                chunk, WARPS)
+            cute.arch.cp_async_commit_group()
+            stage_ptr = ring_swz + (it % stages) * (chunk * ROW)
+            frag_k = mma_qk.make_fragment_B(thr_qk.partition_B(cute.make_tensor(stage_ptr, k_layout.outer)))
+            frag_v = mma_pv.make_fragment_B(thr_pv.partition_B(
+                cute.make_tensor(stage_ptr + group * (HALF // BLOCK) * (chunk * BLOCK), v_layout.outer)))
+
+            acc_s.fill(0.0)
+            warpgroup.fence()
+            for kb in cutlass.range_constexpr(ROW // 16):
+                cute.gemm(mma_qk, acc_s, frag_q[None, None, kb], frag_k[None, None, kb], acc_s)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+
+            # online softmax on the rows a thread holds: the row max across its quad, the sum
+            # per thread (the quad's partial sums meet once, at the end)
+            token0 = (c0 + it) * chunk
+            for v1 in cutlass.range_constexpr(2):
+                best = -Float32.inf
+                for j in cutlass.range_constexpr(chunk // 8):
+                    for v0 in cutlass.range_constexpr(2):
+                        i = v0 + 2 * v1 + 4 * j
+                        s2 = cutlass.select_(token0 + s_coords[i][1] < limit[v1], acc_s[i] * scale_log2,
+                                             -Float32.inf)
+                        acc_s[i] = s2
+                        best = cute.arch.fmax(best, s2)
+                new_max = cute.arch.fmax(run_max[v1], _quad_max(best))
+                # a row with nothing visible yet keeps max −inf; exp2 against 0 then gives 0s
+                ref = cutlass.select_(new_max == -Float32.inf, Float32(0.0), new_max)
+                rescale[v1] = cute.math.exp2(run_max[v1] - ref, fastmath=True)
+                run_max[v1] = new_max
+                part = Float32(0.0)
+                for j in cutlass.range_constexpr(chunk // 8):
+                    for v0 in cutlass.range_constexpr(2):
+                        i = v0 + 2 * v1 + 4 * j
+                        p = cute.math.exp2(acc_s[i] - ref, fastmath=True)
+                        part += p
+                        p_bf[i] = p.to(BFloat16)
+                run_sum[v1] = run_sum[v1] * rescale[v1] + part
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[i] = acc_o[i] * rescale[(i // 2) % 2]
+
+            warpgroup.fence()
+            for kk in cutlass.range_constexpr(chunk // 16):
+                cute.gemm(mma_pv, acc_o, p_a[None, None, kk], frag_v[None, None, kk], acc_o)
+            warpgroup.commit_group()
+            warpgroup.wait_group(0)
+        cute.arch.cp_async_wait_group(0)
+
+        for v1 in cutlass.range_constexpr(2):
+            run_sum[v1] = _quad_sum(run_sum[v1])
+        if splits == 1:
+            out_pairs = cute.make_tensor(out_ptr, cute.make_layout((2, rows * heads, LATENT // 2),
+                                                                   stride=(1, LATENT, 2)))
+            o_pair = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
+            for v1 in cutlass.range_constexpr(2):
+                row = o_coords[2 * v1][0]
+                if row < valid_rows:
+                    total = run_sum[v1]
+                    inv = cutlass.select_(total > 0.0, 1.0 / total, Float32(0.0))
+                    for j in cutlass.range_constexpr(HALF // 8):
+                        for v0 in cutlass.range_constexpr(2):
+                            o_pair[v0] = (acc_o[v0 + 2 * v1 + 4 * j] * inv).to(BFloat16)
+                        col = HALF * group + o_coords[2 * v1 + 4 * j][1]
+                        cute.autovec_copy(o_pair, out_pairs[None, out_base + row, col // 2])
+        else:
+            ws_o = cute.make_tensor(ws_o_ptr, cute.make_layout((2, slots * TILE_ROWS, LATENT // 2),
+                                                               stride=(1, LATENT, 2)))
+            ws_ml = cute.make_tensor(ws_ml_ptr, cute.make_layout((slots * TILE_ROWS, 2), stride=(2, 1)))
+            o_pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+            for v1 in cutlass.range_constexpr(2):
+                row = o_coords[2 * v1][0]
+                if row < valid_rows:
+                    for j in cutlass.range_constexpr(HALF // 8):
+                        for v0 in cutlass.range_constexpr(2):
+                            o_pair[v0] = acc_o[v0 + 2 * v1 + 4 * j]
+                        col = HALF * group + o_coords[2 * v1 + 4 * j][1]
+                        cute.autovec_copy(o_pair, ws_o[None, unit * TILE_ROWS + row, col // 2])
+                    if group == 0:  # both warpgroups hold the same statistics
+                        if lane % 4 == 0:
+                            ws_ml[unit * TILE_ROWS + row, 0] = run_max[v1]
+                            ws_ml[unit * TILE_ROWS + row, 1] = run_sum[v1]
+
+
+def smem_layouts(chunk: int):
+    """(query tile [64, 576], cache stage [chunk, 576], a warpgroup's values [256, chunk]) as
+    swizzled shared-memory layouts, one stage each (call inside a cute.jit function)."""
+    q = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_ROWS, chunk, ROW), BFloat16, 1)
+    k = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_ROWS, chunk, ROW), BFloat16, 1)
+    v = sm90.make_smem_layout_b(LayoutEnum.COL_MAJOR, (TILE_ROWS, HALF, chunk), BFloat16, 1)
+    return tuple(cute.slice_(lay, (None, None, 0)) for lay in (q, k, v))
+
+
+@cute.jit
+def _host(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointer, lens_ptr: cute.Pointer,
+          starts_ptr: cute.Pointer, out_ptr: cute.Pointer, ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer,
+          info_ptr: cute.Pointer, rows: Int32, requests: Int32, num_blocks: Int32, max_blocks: Int32, slots: Int32,
+          target: Int32, min_chunks: Int32, scale_log2: Float32, stream: cuda.CUstream, plan: Constexpr):
+    mma_qk = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
+                                         (1, 1, 1), tiler_mn=(TILE_ROWS, plan.chunk))
+    mma_pv = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
+                                         (1, 1, 1), tiler_mn=(TILE_ROWS, HALF), a_source=warpgroup.OperandSource.RMEM)
+    q_layout, k_layout, v_layout = smem_layouts(plan.chunk)
+    _kernel(q_ptr, cache_ptr, table_ptr, lens_ptr, starts_ptr, out_ptr, ws_o_ptr, ws_ml_ptr, info_ptr,
+            rows, requests, num_blocks, max_blocks, slots, target, min_chunks, scale_log2,
+            mma_qk, mma_pv, q_layout, k_layout, v_layout, plan).launch(
+        grid=(slots, 1, 1), block=(32 * WARPS, 1, 1), stream=stream)
+
+
+def compile_mla_decode_wgmma(plan: Any, arch: str, ptx_dir: str | None = None) -> Any:
+    """Compile one `mla_decode.DecodePlan` with mma="wgmma" for sm_90a; needs no GPU."""
+    if arch not in ARCHS:
+        raise ValueError(f"mla_decode_wgmma: wgmma needs one of {ARCHS}, got {arch}")
+    bf, i32, f32 = gmem_ptr(BFloat16, 16), gmem_ptr(Int32, 16, 4), gmem_ptr(Float32, 16)
+    return cute.compile(_host, bf, bf, i32, i32, i32, bf, f32, f32, i32,
+                        Int32(1), Int32(1), Int32(2), Int32(1), Int32(1), Int32(1), Int32(1), Float32(1.0),
+                        cute.runtime.make_fake_stream(), plan,
+                        options=f"--gpu-arch {arch}" + (f" --keep-ptx --keep-cubin --dump-dir {ptx_dir}" if ptx_dir else ""))
+
+
+assert mla_combine.LATENT == LATENT
