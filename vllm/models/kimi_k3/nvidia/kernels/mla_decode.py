@@ -131,9 +131,9 @@ class DecodePlan:
 
     def __post_init__(self) -> None:
         if self.mma == "wgmma":
-            if (self.warps, self.m_tiles) != (8, 4) or self.chunk not in (32, 64) or not 2 <= self.stages <= 8:
+            if (self.warps, self.m_tiles, self.chunk) != (8, 4, 64) or not 2 <= self.stages <= 8:
                 raise ValueError(f"{self}: a wgmma plan has 8 warps (two warpgroups), m_tiles 4 (64 query rows), "
-                                 "chunk 32 or 64, stages 2..8")
+                                 "chunk 64 (its weights take a stage's 128-byte rope rows), stages 2..8")
         elif (self.mma != "sync" or self.warps not in (4, 8) or self.chunk not in (32, 64)
                 or self.chunk % (8 * self.warps) or not 1 <= self.m_tiles <= 4 or self.m_tiles * self.warp_cols > 256
                 or not 2 <= self.stages <= 8):
@@ -187,8 +187,8 @@ class DecodePlan:
 
     @property
     def smem_bytes(self) -> int:
-        if self.mma == "wgmma":  # unpadded swizzled rows, 1 KB aligned; no weights or statistics
-            return 2 * (self.tile_rows + self.stages * self.chunk) * ROW + 1024
+        if self.mma == "wgmma":  # unpadded swizzled rows, 1 KB aligned; the weights take the rope rows
+            return 2 * (self.tile_rows + self.stages * self.chunk) * ROW + 4 * 2 * self.tile_rows + 1024
         ring = 2 * self.stages * self.chunk * PITCH
         q_tile = 2 * self.tile_rows * PITCH
         weights = 2 * self.tile_rows * self.p_pitch
@@ -224,8 +224,7 @@ def sweep_plans(heads: int, max_q: int, block_size: int, arch: str | None = None
     """The default plan first, then the variants a benchmark compares with it."""
     base = choose_plan(heads, max_q, block_size, arch)
     if base.mma == "wgmma":  # against the mma.sync kernel's default, and the shorter stages
-        return [base, choose_plan(heads, max_q, block_size), replace(base, chunk=32, stages=4),
-                replace(base, waves=2)]
+        return [base, choose_plan(heads, max_q, block_size), replace(base, waves=2)]
     rows = heads * max_q
     variants = [replace(base, **kw) for kw in (
         {"warps": 4, "chunk": 32, "stages": 4, "m_tiles": min(2, base.m_tiles), "waves": 4,

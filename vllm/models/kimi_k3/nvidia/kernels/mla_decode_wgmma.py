@@ -58,10 +58,10 @@ def swizzled(row: Int32, vec: Int32, rows: int) -> Int32:
 
 
 @cute.jit
-def _smem_vec(base: Int32, offset: Int32) -> cute.Tensor:
-    """The 16-byte vector at element `offset` of the bf16 shared-memory buffer at address `base`."""
-    return cute.make_tensor(cute.make_ptr(BFloat16, base + 2 * offset, cute.AddressSpace.smem, assumed_align=16),
-                            cute.make_layout(VEC))
+def _smem_vec(base: Int32, offset: Int32, n: Constexpr = VEC) -> cute.Tensor:
+    """The n bf16 at element `offset` (a multiple of n) of the shared-memory buffer at address `base`."""
+    return cute.make_tensor(cute.make_ptr(BFloat16, base + 2 * offset, cute.AddressSpace.smem, assumed_align=2 * n),
+                            cute.make_layout(n))
 
 
 @cute.jit
@@ -86,7 +86,8 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
             info_ptr: cute.Pointer, rows: Int32, requests: Int32, num_blocks: Int32, max_blocks: Int32,
             slots: Int32, target: Int32, min_chunks: Int32, scale_log2: Float32,
             mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, q_layout: cute.ComposedLayout,
-            k_layout: cute.ComposedLayout, v_layout: cute.ComposedLayout, plan: Constexpr):
+            k_layout: cute.ComposedLayout, v_layout: cute.ComposedLayout, p_layout: cute.ComposedLayout,
+            plan: Constexpr):
     cute.arch.griddepcontrol_launch_dependents()  # as in mla_decode
     tid, _, _ = cute.arch.thread_idx()
     unit, _, _ = cute.arch.block_idx()
@@ -150,21 +151,19 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
         _chunk_rows(phys, table, cutlass.min(c0 + stages - 1, c1 - 1), token_end, warp, table_row, num_blocks,
                     block_size, chunk, WARPS)
 
+        half = chunk // 2  # tokens each warpgroup scores
         thr_qk = mma_qk.get_slice(wg_tid)
         thr_pv = mma_pv.get_slice(wg_tid)
         frag_q = mma_qk.make_fragment_A(thr_qk.partition_A(cute.make_tensor(q_swz, q_layout.outer)))
-        s_coords = thr_qk.partition_C(cute.make_identity_tensor((TILE_ROWS, chunk)))
+        s_coords = thr_qk.partition_C(cute.make_identity_tensor((TILE_ROWS, half)))
         acc_s = cute.make_rmem_tensor(s_coords.shape, Float32)
         o_coords = thr_pv.partition_C(cute.make_identity_tensor((TILE_ROWS, HALF)))
         acc_o = cute.make_rmem_tensor(o_coords.shape, Float32)
         acc_o.fill(0.0)
         mma_qk.set(warpgroup.Field.ACCUMULATE, True)
         mma_pv.set(warpgroup.Field.ACCUMULATE, True)
-        # the weights in bf16, viewed as P·V's register A operand: S's n8 blocks 2k, 2k+1 are the
-        # k16 block k of A (values: column pair, row + 8, k + 8)
-        p_bf = cute.make_rmem_tensor(cute.size(acc_s), BFloat16)
-        p_a = cute.make_tensor(p_bf.iterator, cute.make_layout(((2, 2, 2), 1, chunk // 16),
-                                                              stride=((1, 2, 4), 0, 8)))
+        pair = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
+        red = smem.allocate_tensor(Float32, cute.make_layout((2, TILE_ROWS), stride=(TILE_ROWS, 1)), byte_alignment=16)
 
         # a thread holds rows r and r + 8 (value bit 1); how far each may look (verify rows are causal)
         limit = cute.make_rmem_tensor(cute.make_layout(2), Int32)
@@ -193,7 +192,12 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
                                 chunk, WARPS)
             cute.arch.cp_async_commit_group()
             stage_ptr = ring_swz + (it % stages) * (chunk * ROW)
-            frag_k = mma_qk.make_fragment_B(thr_qk.partition_B(cute.make_tensor(stage_ptr, k_layout.outer)))
+            keys = cute.local_tile(cute.make_tensor(stage_ptr, k_layout.outer), (half, ROW), (group, 0))
+            frag_k = mma_qk.make_fragment_B(thr_qk.partition_B(keys))
+            # the weights [64, chunk] go where the chunk's rope columns were (P·V reads only c)
+            weights = cute.make_tensor(stage_ptr + (LATENT // BLOCK) * (chunk * BLOCK), p_layout.outer)
+            p_base = ring_base + 2 * ((it % stages) * (chunk * ROW) + (LATENT // BLOCK) * (chunk * BLOCK))
+            frag_p = mma_pv.make_fragment_A(thr_pv.partition_A(weights))
             frag_v = mma_pv.make_fragment_B(thr_pv.partition_B(
                 cute.make_tensor(stage_ptr + group * (HALF // BLOCK) * (chunk * BLOCK), v_layout.outer)))
 
@@ -204,43 +208,64 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
             warpgroup.commit_group()
             warpgroup.wait_group(0)
 
-            # online softmax on the rows a thread holds: the row max across its quad, the sum
-            # per thread (the quad's partial sums meet once, at the end)
-            token0 = (c0 + it) * chunk
+            # online softmax: the row max over both warpgroups' tokens (through shared memory),
+            # the sum per thread over its own (the partial sums meet once, at the end)
+            token0 = (c0 + it) * chunk + half * group
             for v1 in cutlass.range_constexpr(2):
                 best = -Float32.inf
-                for j in cutlass.range_constexpr(chunk // 8):
+                for j in cutlass.range_constexpr(half // 8):
                     for v0 in cutlass.range_constexpr(2):
                         i = v0 + 2 * v1 + 4 * j
                         s2 = cutlass.select_(token0 + s_coords[i][1] < limit[v1], acc_s[i] * scale_log2,
                                              -Float32.inf)
                         acc_s[i] = s2
                         best = cute.arch.fmax(best, s2)
-                new_max = cute.arch.fmax(run_max[v1], _quad_max(best))
+                best = _quad_max(best)
+                if lane % 4 == 0:
+                    red[group, s_coords[2 * v1][0]] = best
+            # both warpgroups' scores are done, so the rope columns are free for the weights
+            cute.arch.barrier(barrier_id=1, number_of_threads=32 * WARPS)
+            for v1 in cutlass.range_constexpr(2):
+                row = s_coords[2 * v1][0]
+                new_max = cute.arch.fmax(run_max[v1], cute.arch.fmax(red[0, row], red[1, row]))
                 # a row with nothing visible yet keeps max −inf; exp2 against 0 then gives 0s
                 ref = cutlass.select_(new_max == -Float32.inf, Float32(0.0), new_max)
                 rescale[v1] = cute.math.exp2(run_max[v1] - ref, fastmath=True)
                 run_max[v1] = new_max
                 part = Float32(0.0)
-                for j in cutlass.range_constexpr(chunk // 8):
+                for j in cutlass.range_constexpr(half // 8):
                     for v0 in cutlass.range_constexpr(2):
                         i = v0 + 2 * v1 + 4 * j
-                        p = cute.math.exp2(acc_s[i] - ref, fastmath=True)
-                        part += p
-                        p_bf[i] = p.to(BFloat16)
+                        pw = cute.math.exp2(acc_s[i] - ref, fastmath=True)
+                        part += pw
+                        acc_s[i] = pw
+                    col = half * group + s_coords[4 * j][1]
+                    pair[0] = acc_s[2 * v1 + 4 * j].to(BFloat16)
+                    pair[1] = acc_s[1 + 2 * v1 + 4 * j].to(BFloat16)
+                    cute.autovec_copy(pair, _smem_vec(p_base, row * BLOCK + VEC * ((col // VEC) ^ (row % 8)) + col % VEC,
+                                                      2))
                 run_sum[v1] = run_sum[v1] * rescale[v1] + part
             for i in cutlass.range_constexpr(cute.size(acc_o)):
                 acc_o[i] = acc_o[i] * rescale[(i // 2) % 2]
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.barrier(barrier_id=2, number_of_threads=32 * WARPS)
 
             warpgroup.fence()
             for kk in cutlass.range_constexpr(chunk // 16):
-                cute.gemm(mma_pv, acc_o, p_a[None, None, kk], frag_v[None, None, kk], acc_o)
+                cute.gemm(mma_pv, acc_o, frag_p[None, None, kk], frag_v[None, None, kk], acc_o)
             warpgroup.commit_group()
             warpgroup.wait_group(0)
         cute.arch.cp_async_wait_group(0)
 
+        # the row sums: the quad's, then the other warpgroup's (its reads of `red` ended before barrier 2)
         for v1 in cutlass.range_constexpr(2):
             run_sum[v1] = _quad_sum(run_sum[v1])
+            if lane % 4 == 0:
+                red[group, s_coords[2 * v1][0]] = run_sum[v1]
+        cute.arch.barrier(barrier_id=1, number_of_threads=32 * WARPS)
+        for v1 in cutlass.range_constexpr(2):
+            row = s_coords[2 * v1][0]
+            run_sum[v1] = red[0, row] + red[1, row]
         if splits == 1:
             out_pairs = cute.make_tensor(out_ptr, cute.make_layout((2, rows * heads, LATENT // 2),
                                                                    stride=(1, LATENT, 2)))
@@ -275,12 +300,13 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
 
 
 def smem_layouts(chunk: int):
-    """(query tile [64, 576], cache stage [chunk, 576], a warpgroup's values [256, chunk]) as
-    swizzled shared-memory layouts, one stage each (call inside a cute.jit function)."""
+    """(query tile [64, 576], cache stage [chunk, 576], a warpgroup's values [256, chunk], weights
+    [64, chunk]) as swizzled shared-memory layouts, one stage each (call inside a cute.jit function)."""
     q = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_ROWS, chunk, ROW), BFloat16, 1)
     k = sm90.make_smem_layout_b(LayoutEnum.ROW_MAJOR, (TILE_ROWS, chunk, ROW), BFloat16, 1)
     v = sm90.make_smem_layout_b(LayoutEnum.COL_MAJOR, (TILE_ROWS, HALF, chunk), BFloat16, 1)
-    return tuple(cute.slice_(lay, (None, None, 0)) for lay in (q, k, v))
+    p = sm90.make_smem_layout_a(LayoutEnum.ROW_MAJOR, (TILE_ROWS, HALF, chunk), BFloat16, 1)
+    return tuple(cute.slice_(lay, (None, None, 0)) for lay in (q, k, v, p))
 
 
 @cute.jit
@@ -289,13 +315,13 @@ def _host(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointer,
           info_ptr: cute.Pointer, rows: Int32, requests: Int32, num_blocks: Int32, max_blocks: Int32, slots: Int32,
           target: Int32, min_chunks: Int32, scale_log2: Float32, stream: cuda.CUstream, plan: Constexpr):
     mma_qk = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                         (1, 1, 1), tiler_mn=(TILE_ROWS, plan.chunk))
+                                         (1, 1, 1), tiler_mn=(TILE_ROWS, plan.chunk // 2))
     mma_pv = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-                                         (1, 1, 1), tiler_mn=(TILE_ROWS, HALF), a_source=warpgroup.OperandSource.RMEM)
-    q_layout, k_layout, v_layout = smem_layouts(plan.chunk)
+                                         (1, 1, 1), tiler_mn=(TILE_ROWS, HALF))
+    q_layout, k_layout, v_layout, p_layout = smem_layouts(plan.chunk)
     _kernel(q_ptr, cache_ptr, table_ptr, lens_ptr, starts_ptr, out_ptr, ws_o_ptr, ws_ml_ptr, info_ptr,
             rows, requests, num_blocks, max_blocks, slots, target, min_chunks, scale_log2,
-            mma_qk, mma_pv, q_layout, k_layout, v_layout, plan).launch(
+            mma_qk, mma_pv, q_layout, k_layout, v_layout, p_layout, plan).launch(
         grid=(slots, 1, 1), block=(32 * WARPS, 1, 1), stream=stream)
 
 
