@@ -245,7 +245,7 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
                     cute.autovec_copy(pair, _smem_vec(p_base, row * BLOCK + VEC * ((col // VEC) ^ (row % 8)) + col % VEC,
                                                       2))
                 run_sum[v1] = run_sum[v1] * rescale[v1] + part
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
+            for i in cutlass.range(cute.size(acc_o), unroll_full=True):
                 acc_o[i] = acc_o[i] * rescale[(i // 2) % 2]
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.barrier(barrier_id=2, number_of_threads=32 * WARPS)
