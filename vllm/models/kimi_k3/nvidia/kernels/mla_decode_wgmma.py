@@ -1,29 +1,31 @@
-"""MLA absorbed decode attention for verify steps on Hopper: the split kernel of `mla_decode` on wgmma.
+"""MLA absorbed decode attention for verify steps on Hopper: `mla_decode`'s split kernel on wgmma.
 
-Math, schedule, workspace and combine: `mla_decode`'s (its docstring), for a plan with
-`mma="wgmma"`: 64-row query tiles, the scores s = τ · q_lat · kv_t and the values Σ p c_t as
-warpgroup MMAs, FP32 statistics and accumulators, the weights p rounded to bf16 for P·V and
-summed unrounded.
+Math, schedule, workspace and combine are `mla_decode`'s (its docstring), for a plan with
+`mma="wgmma"`: s = τ · q_lat · kv_t, online softmax with FP32 statistics, ol = Σ p c_t with FP32
+accumulators, the weights p rounded to bf16 for P·V and summed unrounded.
 
-Envelope: `mla_decode.launch`'s, on sm_90a only (wgmma); `choose_plan` takes it for more than
-32 query rows a request (12 heads × 3 tokens and up: speculative verify at TP8 and TP16).
+Envelope: `mla_decode.launch`'s, on sm_90a only (wgmma); `choose_plan` takes it there for more
+than 32 query rows a request (heads × tokens: speculative verify, 6 or 12 heads × 8 tokens at
+TP16 / TP8). Evidence: `mla_decode`'s records (their sources include this file).
 
-Design (why not the mma.sync kernel): at 48-96 query rows that kernel is bound by its
-shared-memory port, not by HBM (each warp reloads every Q fragment for every chunk through
-ldmatrix: 442 KB of shared reads per 74 KB chunk at 48 rows). Here the operands stay in shared
-memory and wgmma reads them from there.
-- CTA = two warpgroups on one work unit (request, 64-row query tile, KV split). Both compute
-  the same scores S = Q · K^T (64 × chunk; A = the query tile, B = the cache chunk, both K-major
-  in 128-byte swizzled shared memory) and the same online softmax, so they never exchange
-  weights; warpgroup g accumulates value columns 256·g .. 256·g + 255 (128 FP32 registers a
-  thread) from P held in registers (the S accumulator's layout is wgmma's register A layout).
-- V is the same shared-memory bytes as K: a K-major 128-byte-swizzled [tokens, 64] block and
-  an MN-major one of [64, tokens] place every element alike, so B of P·V views the ring stage
-  directly (`test_mla_decode_wgmma_layouts` checks the equality on the CPU).
-- The cache rows are gathered through the block table with cp.async into a `stages`-deep ring
-  of `chunk`-token stages (rows past the split's end repeat its last row, so every value read
-  is finite; their scores are masked), the query tile with it; each thread fences its copies to
-  the async proxy before the barrier that hands a stage to the MMAs.
+Design. At 48-96 query rows the mma.sync kernel is bound by its shared-memory port, not by HBM:
+every warp reloads every Q fragment of every chunk through ldmatrix (442 KB of shared reads per
+74 KB chunk at 48 rows). wgmma reads both operands from shared memory once per warpgroup.
+- CTA = two warpgroups on one work unit (request, 64-row query tile, KV split), streaming the
+  split in 64-token chunks through a 2-stage cp.async ring (the cache rows gathered through the
+  block table; rows past the split's end repeat its last row, so every value read is finite, and
+  their scores are masked). The query tile [64, 576] and each stage [64, 576] are K-major with
+  128-byte swizzle (`sm90.make_smem_layout_a/b`); each thread fences its copies to the async
+  proxy before the barrier that hands a stage to the MMAs.
+- Warpgroup g scores tokens 32·g .. 32·g + 31 of the chunk (S = Q · Kᵀ, 36 k16 steps of
+  m64n32). The row maxima meet in shared memory (named barrier 1, both warpgroups); then the
+  chunk's rope columns 512..575, which P·V does not read, hold the bf16 weights P [64, 64] as
+  P·V's K-major A operand (named barrier 2), and warpgroup g accumulates value columns
+  256·g .. 256·g + 255 (128 FP32 registers a thread) from all 64 tokens.
+- V needs no copy: a K-major 128-byte-swizzled [tokens, 64] block and an MN-major [64, tokens]
+  one place every element alike, so P·V's B operand views the stage's latent columns
+  (`test_wgmma_smem_layouts_agree` checks it on the CPU).
+- Row sums stay per thread until the end, then meet across the quad and the two warpgroups.
 """
 
 from __future__ import annotations
