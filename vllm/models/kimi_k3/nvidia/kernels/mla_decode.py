@@ -224,7 +224,7 @@ def sweep_plans(heads: int, max_q: int, block_size: int, arch: str | None = None
     """The default plan first, then the variants a benchmark compares with it."""
     base = choose_plan(heads, max_q, block_size, arch)
     if base.mma == "wgmma":  # against the mma.sync kernel's default, and the shorter stages
-        return [base, choose_plan(heads, max_q, block_size), replace(base, waves=2), replace(base, min_chunks=8)]
+        return [base, choose_plan(heads, max_q, block_size), replace(base, waves=2)]
     rows = heads * max_q
     variants = [replace(base, **kw) for kw in (
         {"warps": 4, "chunk": 32, "stages": 4, "m_tiles": min(2, base.m_tiles), "waves": 4,
