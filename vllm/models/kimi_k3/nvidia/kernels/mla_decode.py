@@ -62,6 +62,9 @@ each cache row read):
   request at 32K: 128 splits of 4 chunks). The grid is the static bound max(target,
   requests · max_tiles), so one request at 1M tokens gets `target` splits (every SM busy) and
   every length runs; surplus CTAs exit at once.
+- On sm_90a a plan with more than 32 query rows a request (verify) runs `mla_decode_wgmma`'s
+  kernel instead (`DecodePlan.mma`): the same work units, schedule, workspace and combine, its
+  scores and values on wgmma from 64-row query tiles.
 - A request with one split writes ol directly. Otherwise each CTA writes its unnormalized
   FP32 partial (O, max, sum) and a record of what it computed to a workspace, and
   `kernels/mla_combine.py` merges the splits (log-sum-exp weights, fixed order). `launch`
@@ -115,7 +118,8 @@ class DecodePlan:
 
     Compiled: `warps` per CTA, `chunk` tokens per pipeline stage (each warp scores chunk / warps
     tokens, one or two n8 tiles, and owns 512 / warps value columns), `m_tiles` 16-row MMA tiles
-    of query rows per CTA, `stages` chunks in the cp.async ring. Split policy (runtime arguments,
+    of query rows per CTA, `stages` chunks in the cp.async ring, `mma` the kernel ("wgmma":
+    `mla_decode_wgmma`'s, 8 warps × 64 rows × 64-token chunks). Split policy (runtime arguments,
     not compiled): `waves` (work units aimed at = waves · SMs) and `min_chunks` per split."""
 
     heads: int
