@@ -379,20 +379,6 @@ def test_decode_compiles_for_arch(plan, arch, tmp_path):
         assert "0 bytes spill stores" in report, report
 
 
-@pytest.mark.parametrize("max_q", [1, 8])
-def test_every_sweep_plan_compiles_and_fits_its_residency(max_q, tmp_path):
-    """Every variant `bench_mla_decode --sweep` times compiles for sm_90a with nothing in local
-    memory, and the registers ptxas gave it let an SM hold as many of its CTAs as the shared
-    memory does: the two-per-SM variant (plain decode) must really get two."""
-    plans = {plan.kernel_key: plan for plan in mla_decode.sweep_plans(12, max_q, 64)}
-    assert (max_q == 1) == any(plan.smem_ctas == 2 for plan in plans.values())
-    for plan in plans.values():
-        compiled = mla_decode.compile_mla_decode(plan, "sm_90a", ptx_dir=str(tmp_path))
-        used = kernel_resources(compiled.artifacts.CUBIN)
-        assert used.frame_bytes == 0, (plan, used)
-        assert used.ctas_per_sm(plan.threads) >= plan.smem_ctas, (plan, used)
-
-
 def test_verify_rows_take_the_wgmma_kernel_on_sm90_only():
     """More than 32 query rows a request (heads × tokens) run the wgmma kernel on sm_90a; fewer rows,
     and every other arch, the mma.sync kernel; the wgmma plan fits one CTA an SM."""
@@ -461,6 +447,20 @@ def test_wgmma_decode_compiles_for_sm90a_only(tmp_path):
     assert used.frame_bytes == 0 and used.ctas_per_sm(plan.threads) >= 1, used
     with pytest.raises(ValueError, match="sm_90a"):
         mla_decode.compile_mla_decode(plan, "sm_100a")
+
+
+@pytest.mark.parametrize("max_q", [1, 8])
+def test_every_sweep_plan_compiles_and_fits_its_residency(max_q, tmp_path):
+    """Every variant `bench_mla_decode --sweep` times compiles for sm_90a with nothing in local
+    memory, and the registers ptxas gave it let an SM hold as many of its CTAs as the shared
+    memory does: the two-per-SM variant (plain decode) must really get two."""
+    plans = {plan.kernel_key: plan for plan in mla_decode.sweep_plans(12, max_q, 64)}
+    assert (max_q == 1) == any(plan.smem_ctas == 2 for plan in plans.values())
+    for plan in plans.values():
+        compiled = mla_decode.compile_mla_decode(plan, "sm_90a", ptx_dir=str(tmp_path))
+        used = kernel_resources(compiled.artifacts.CUBIN)
+        assert used.frame_bytes == 0, (plan, used)
+        assert used.ctas_per_sm(plan.threads) >= plan.smem_ctas, (plan, used)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
