@@ -149,7 +149,8 @@ class DecodePlan:
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps
+        """`warps` compute; a wgmma plan adds a warpgroup that only loads."""
+        return 32 * self.warps + (128 if self.mma == "wgmma" else 0)
 
     @property
     def warp_cols(self) -> int:
@@ -191,8 +192,8 @@ class DecodePlan:
 
     @property
     def smem_bytes(self) -> int:
-        if self.mma == "wgmma":  # unpadded swizzled rows, 1 KB aligned; the weights take the rope rows
-            return 2 * (self.tile_rows + self.stages * self.chunk) * ROW + 4 * 2 * self.tile_rows + 1024
+        if self.mma == "wgmma":  # unpadded swizzled rows, 1 KB aligned, and two mbarriers a stage
+            return 2 * (self.tile_rows + self.stages * self.chunk) * ROW + 16 * self.stages + 1024
         ring = 2 * self.stages * self.chunk * PITCH
         q_tile = 2 * self.tile_rows * PITCH
         weights = 2 * self.tile_rows * self.p_pitch

@@ -48,7 +48,10 @@ from .rms_norm import gmem_ptr
 ARCHS = ("sm_90a",)
 TILE_ROWS = 64  # one wgmma M tile of query rows
 HALF = LATENT // 2  # value columns per warpgroup
-WARPS = 8
+WARPS = 8  # the two consumer warpgroups
+LOADERS = 4  # warps of the producer warpgroup
+THREADS = 32 * (WARPS + LOADERS)
+CONSUMER_REGS, LOADER_REGS = 216, 72  # setmaxnreg: 2·128·216 + 128·72 <= 64K; ptxas spills the loaders' gather below 72
 BLOCK = 64  # elements of one 128-byte swizzle row
 
 
@@ -68,14 +71,15 @@ def _smem_vec(base: Int32, offset: Int32, n: Constexpr = VEC) -> cute.Tensor:
 
 @cute.jit
 def _issue_chunk(g2s: cute.CopyAtom, cache_base: Int64, phys: cute.Tensor, ring: Int32, stage: Int32,
-                 warp: Int32, lane: Int32, chunk: Constexpr):
-    """cp.async of the warp's cache rows (72 16-byte vectors each) into ring stage `stage`."""
-    for k in cutlass.range_constexpr(chunk // WARPS):
+                 warp: Int32, lane: Int32, chunk: Constexpr, warps: Constexpr):
+    """cp.async of the warp's cache rows (72 16-byte vectors each, rows warp + warps·k) into ring
+    stage `stage`."""
+    for k in cutlass.range_constexpr(chunk // warps):
         src = cute.make_tensor(
             cute.make_ptr(BFloat16, cache_base + Int64(phys[k]) * (2 * ROW), cute.AddressSpace.gmem,
                           assumed_align=16),
             cute.make_layout((VEC, ROW_VECS), stride=(1, VEC)))
-        row = warp + WARPS * k
+        row = warp + warps * k
         for v in cutlass.range_constexpr(3):
             vec = lane + 32 * v
             if v < 2 or lane < ROW_VECS - 64:
@@ -88,8 +92,7 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
             info_ptr: cute.Pointer, rows: Int32, requests: Int32, num_blocks: Int32, max_blocks: Int32,
             slots: Int32, target: Int32, min_chunks: Int32, scale_log2: Float32,
             mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, q_layout: cute.ComposedLayout,
-            k_layout: cute.ComposedLayout, v_layout: cute.ComposedLayout, p_layout: cute.ComposedLayout,
-            plan: Constexpr):
+            k_layout: cute.ComposedLayout, v_layout: cute.ComposedLayout, plan: Constexpr):
     cute.arch.griddepcontrol_launch_dependents()  # as in mla_decode
     tid, _, _ = cute.arch.thread_idx()
     unit, _, _ = cute.arch.block_idx()
@@ -127,178 +130,170 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
         smem = cutlass.memory.SmemAllocator()
         q_raw = smem.allocate_tensor(BFloat16, cute.make_layout(TILE_ROWS * ROW), byte_alignment=1024)
         ring_raw = smem.allocate_tensor(BFloat16, cute.make_layout(stages * chunk * ROW), byte_alignment=1024)
-        q_swz = cute.recast_ptr(q_raw.iterator, q_layout.inner, dtype=BFloat16)
-        ring_swz = cute.recast_ptr(ring_raw.iterator, k_layout.inner, dtype=BFloat16)
-        g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
-                                  BFloat16, num_bits_per_copy=128)
+        full = smem.allocate_array(Int64, stages, byte_alignment=8)  # a stage landed (the loaders arrive)
+        free = smem.allocate_array(Int64, stages, byte_alignment=8)  # a stage was read (the consumers arrive)
+        if tid == 0:
+            for st in cutlass.range_constexpr(stages):
+                cute.arch.mbarrier_init(full + st, 32 * LOADERS)
+                cute.arch.mbarrier_init(free + st, 32 * WARPS)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
 
-        # the query tile (padding rows repeat the last real query; they are never stored)
-        q_vecs = cute.make_tensor(q_ptr, cute.make_layout((VEC, rows * heads, ROW_VECS), stride=(1, ROW, VEC)))
-        for k in cutlass.range_constexpr(TILE_ROWS * ROW_VECS // (32 * WARPS)):
-            idx = tid + 32 * WARPS * k
-            row = idx // ROW_VECS
-            vec = idx - row * ROW_VECS
-            src_row = out_base + cutlass.min(row, valid_rows - 1)
-            cute.copy(g2s, q_vecs[None, src_row, vec], _smem_vec(q_raw.iterator.toint(), swizzled(row, vec, TILE_ROWS)))
+        if group == 2:
+            # the loaders: the query tile and each chunk by cp.async, a stage handed over once
+            # every loader's copies of it landed and were fenced to wgmma's async proxy
+            cute.arch.setmaxregister_decrease(LOADER_REGS)
+            ltid = tid - 32 * WARPS
+            lwarp = warp - WARPS
+            g2s = cute.make_copy_atom(
+                cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL), BFloat16,
+                num_bits_per_copy=128)
+            # padding rows repeat the last real query; they are never stored
+            q_vecs = cute.make_tensor(q_ptr, cute.make_layout((VEC, rows * heads, ROW_VECS), stride=(1, ROW, VEC)))
+            q_base = q_raw.iterator.toint()
+            for k in cutlass.range_constexpr(TILE_ROWS * ROW_VECS // (32 * LOADERS)):
+                idx = ltid + 32 * LOADERS * k
+                row = idx // ROW_VECS
+                vec = idx - row * ROW_VECS
+                cute.copy(g2s, q_vecs[None, out_base + cutlass.min(row, valid_rows - 1), vec],
+                          _smem_vec(q_base, swizzled(row, vec, TILE_ROWS)))
+            cache_base = cache_ptr.toint()
+            ring_base = ring_raw.iterator.toint()
+            table_row = req * max_blocks
+            phys = cute.make_rmem_tensor(cute.make_layout(chunk // LOADERS), Int32)
+            for p in cutlass.range_constexpr(stages):
+                if p < n_chunks:
+                    _chunk_rows(phys, table, c0 + p, token_end, lwarp, table_row, num_blocks, block_size, chunk,
+                                LOADERS)
+                    _issue_chunk(g2s, cache_base, phys, ring_base, Int32(p), lwarp, lane, chunk, LOADERS)
+                cute.arch.cp_async_commit_group()  # one group per chunk, empty or not: uniform waits
+            for it in cutlass.range(n_chunks, unroll=1):
+                cute.arch.cp_async_wait_group(stages - 1)  # chunk `it`: the groups after it are the others
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.mbarrier_arrive(full + it % stages)
+                nxt = it + stages
+                if nxt < n_chunks:
+                    cute.arch.mbarrier_wait(free + it % stages, (it // stages) % 2)  # both warpgroups read it
+                    _chunk_rows(phys, table, c0 + nxt, token_end, lwarp, table_row, num_blocks, block_size, chunk,
+                                LOADERS)
+                    _issue_chunk(g2s, cache_base, phys, ring_base, nxt % stages, lwarp, lane, chunk, LOADERS)
+                cute.arch.cp_async_commit_group()
+            cute.arch.cp_async_wait_group(0)
+        else:
+            cute.arch.setmaxregister_increase(CONSUMER_REGS)
+            q_swz = cute.recast_ptr(q_raw.iterator, q_layout.inner, dtype=BFloat16)
+            ring_swz = cute.recast_ptr(ring_raw.iterator, k_layout.inner, dtype=BFloat16)
+            thr_qk = mma_qk.get_slice(wg_tid)
+            thr_pv = mma_pv.get_slice(wg_tid)
+            frag_q = mma_qk.make_fragment_A(thr_qk.partition_A(cute.make_tensor(q_swz, q_layout.outer)))
+            s_coords = thr_qk.partition_C(cute.make_identity_tensor((TILE_ROWS, chunk)))
+            acc_s = cute.make_rmem_tensor(s_coords.shape, Float32)
+            o_coords = thr_pv.partition_C(cute.make_identity_tensor((TILE_ROWS, HALF)))
+            acc_o = cute.make_rmem_tensor(o_coords.shape, Float32)
+            acc_o.fill(0.0)
+            mma_qk.set(warpgroup.Field.ACCUMULATE, True)
+            mma_pv.set(warpgroup.Field.ACCUMULATE, True)
+            # the weights in bf16 as P·V's register A operand: S's n8 blocks 2k, 2k + 1 are A's k16
+            # block k (values: column pair, row + 8, k + 8)
+            p_bf = cute.make_rmem_tensor(cute.size(acc_s), BFloat16)
+            p_a = cute.make_tensor(p_bf.iterator, cute.make_layout(((2, 2, 2), 1, chunk // 16),
+                                                                  stride=((1, 2, 4), 0, 8)))
 
-        cache_base = cache_ptr.toint()
-        ring_base = ring_raw.iterator.toint()
-        table_row = req * max_blocks
-        phys = cute.make_rmem_tensor(cute.make_layout(chunk // WARPS), Int32)
-        for p in cutlass.range_constexpr(stages - 1):
-            if p < n_chunks:
-                _chunk_rows(phys, table, c0 + p, token_end, warp, table_row, num_blocks, block_size, chunk, WARPS)
-                _issue_chunk(g2s, cache_base, phys, ring_base, Int32(p), warp, lane, chunk)
-            cute.arch.cp_async_commit_group()  # one group per stage, empty or not: uniform waits
-        _chunk_rows(phys, table, cutlass.min(c0 + stages - 1, c1 - 1), token_end, warp, table_row, num_blocks,
-                    block_size, chunk, WARPS)
-
-        half = chunk // 2  # tokens each warpgroup scores
-        thr_qk = mma_qk.get_slice(wg_tid)
-        thr_pv = mma_pv.get_slice(wg_tid)
-        frag_q = mma_qk.make_fragment_A(thr_qk.partition_A(cute.make_tensor(q_swz, q_layout.outer)))
-        s_coords = thr_qk.partition_C(cute.make_identity_tensor((TILE_ROWS, half)))
-        acc_s = cute.make_rmem_tensor(s_coords.shape, Float32)
-        o_coords = thr_pv.partition_C(cute.make_identity_tensor((TILE_ROWS, HALF)))
-        acc_o = cute.make_rmem_tensor(o_coords.shape, Float32)
-        acc_o.fill(0.0)
-        mma_qk.set(warpgroup.Field.ACCUMULATE, True)
-        mma_pv.set(warpgroup.Field.ACCUMULATE, True)
-        pair = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
-        red = smem.allocate_tensor(Float32, cute.make_layout((2, TILE_ROWS), stride=(TILE_ROWS, 1)), byte_alignment=16)
-
-        # a thread holds rows r and r + 8 (value bit 1); how far each may look (verify rows are causal)
-        limit = cute.make_rmem_tensor(cute.make_layout(2), Int32)
-        for v1 in cutlass.range_constexpr(2):
-            row = s_coords[2 * v1][0]
-            token = (tile * TILE_ROWS + row) // heads
-            limit[v1] = cutlass.select_(row < valid_rows, cutlass.min(length - q + token + 1, token_end), token_end)
-        run_max = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-        run_sum = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-        rescale = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-        run_max.fill(-Float32.inf)
-        run_sum.fill(0.0)
-
-        for it in cutlass.range(n_chunks):
-            cute.arch.cp_async_wait_group(stages - 2)
-            # chunk `it` (and the query tile) landed; hand it to wgmma's async proxy, then wait for
-            # every thread's copies and for both warpgroups' MMAs on chunk it − 1, whose stage is
-            # refilled next
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.sync_threads()
-            ahead = it + stages - 1
-            if ahead < n_chunks:
-                _issue_chunk(g2s, cache_base, phys, ring_base, ahead % stages, warp, lane, chunk)
-                if ahead + 1 < n_chunks:
-                    _chunk_rows(phys, table, c0 + ahead + 1, token_end, warp, table_row, num_blocks, block_size,
-                                chunk, WARPS)
-            cute.arch.cp_async_commit_group()
-            stage_ptr = ring_swz + (it % stages) * (chunk * ROW)
-            keys = cute.local_tile(cute.make_tensor(stage_ptr, k_layout.outer), (half, ROW), (group, 0))
-            frag_k = mma_qk.make_fragment_B(thr_qk.partition_B(keys))
-            # the weights [64, chunk] go where the chunk's rope columns were (P·V reads only c)
-            weights = cute.make_tensor(stage_ptr + (LATENT // BLOCK) * (chunk * BLOCK), p_layout.outer)
-            p_base = ring_base + 2 * ((it % stages) * (chunk * ROW) + (LATENT // BLOCK) * (chunk * BLOCK))
-            frag_p = mma_pv.make_fragment_A(thr_pv.partition_A(weights))
-            frag_v = mma_pv.make_fragment_B(thr_pv.partition_B(
-                cute.make_tensor(stage_ptr + group * (HALF // BLOCK) * (chunk * BLOCK), v_layout.outer)))
-
-            acc_s.fill(0.0)
-            warpgroup.fence()
-            for kb in cutlass.range_constexpr(ROW // 16):
-                cute.gemm(mma_qk, acc_s, frag_q[None, None, kb], frag_k[None, None, kb], acc_s)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-
-            # online softmax: the row max over both warpgroups' tokens (through shared memory),
-            # the sum per thread over its own (the partial sums meet once, at the end)
-            token0 = (c0 + it) * chunk + half * group
-            for v1 in cutlass.range_constexpr(2):
-                best = -Float32.inf
-                for j in cutlass.range_constexpr(half // 8):
-                    for v0 in cutlass.range_constexpr(2):
-                        i = v0 + 2 * v1 + 4 * j
-                        s2 = cutlass.select_(token0 + s_coords[i][1] < limit[v1], acc_s[i] * scale_log2,
-                                             -Float32.inf)
-                        acc_s[i] = s2
-                        best = cute.arch.fmax(best, s2)
-                best = _quad_max(best)
-                if lane % 4 == 0:
-                    red[group, s_coords[2 * v1][0]] = best
-            # both warpgroups' scores are done, so the rope columns are free for the weights
-            cute.arch.barrier(barrier_id=1, number_of_threads=32 * WARPS)
+            # a thread holds rows r and r + 8 (value bit 1); how far each may look (verify rows are causal)
+            limit = cute.make_rmem_tensor(cute.make_layout(2), Int32)
             for v1 in cutlass.range_constexpr(2):
                 row = s_coords[2 * v1][0]
-                new_max = cute.arch.fmax(run_max[v1], cute.arch.fmax(red[0, row], red[1, row]))
-                # a row with nothing visible yet keeps max −inf; exp2 against 0 then gives 0s
-                ref = cutlass.select_(new_max == -Float32.inf, Float32(0.0), new_max)
-                rescale[v1] = cute.math.exp2(run_max[v1] - ref, fastmath=True)
-                run_max[v1] = new_max
-                part = Float32(0.0)
-                for j in cutlass.range_constexpr(half // 8):
-                    for v0 in cutlass.range_constexpr(2):
-                        i = v0 + 2 * v1 + 4 * j
-                        pw = cute.math.exp2(acc_s[i] - ref, fastmath=True)
-                        part += pw
-                        acc_s[i] = pw
-                    col = half * group + s_coords[4 * j][1]
-                    pair[0] = acc_s[2 * v1 + 4 * j].to(BFloat16)
-                    pair[1] = acc_s[1 + 2 * v1 + 4 * j].to(BFloat16)
-                    cute.autovec_copy(pair, _smem_vec(p_base, row * BLOCK + VEC * ((col // VEC) ^ (row % 8)) + col % VEC,
-                                                      2))
-                run_sum[v1] = run_sum[v1] * rescale[v1] + part
-            for i in cutlass.range(cute.size(acc_o), unroll_full=True):
-                acc_o[i] = acc_o[i] * rescale[(i // 2) % 2]
-            cute.arch.fence_proxy("async.shared", space="cta")
-            cute.arch.barrier(barrier_id=2, number_of_threads=32 * WARPS)
+                token = (tile * TILE_ROWS + row) // heads
+                limit[v1] = cutlass.select_(row < valid_rows, cutlass.min(length - q + token + 1, token_end),
+                                            token_end)
+            run_max = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+            run_sum = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+            rescale = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+            run_max.fill(-Float32.inf)
+            run_sum.fill(0.0)
 
-            warpgroup.fence()
-            for kk in cutlass.range_constexpr(chunk // 16):
-                cute.gemm(mma_pv, acc_o, frag_p[None, None, kk], frag_v[None, None, kk], acc_o)
-            warpgroup.commit_group()
-            warpgroup.wait_group(0)
-        cute.arch.cp_async_wait_group(0)
+            for it in cutlass.range(n_chunks, unroll=1):
+                cute.arch.mbarrier_wait(full + it % stages, (it // stages) % 2)
+                stage_ptr = ring_swz + (it % stages) * (chunk * ROW)
+                frag_k = mma_qk.make_fragment_B(thr_qk.partition_B(cute.make_tensor(stage_ptr, k_layout.outer)))
+                frag_v = mma_pv.make_fragment_B(thr_pv.partition_B(
+                    cute.make_tensor(stage_ptr + group * (HALF // BLOCK) * (chunk * BLOCK), v_layout.outer)))
 
-        # the row sums: the quad's, then the other warpgroup's (its reads of `red` ended before barrier 2)
-        for v1 in cutlass.range_constexpr(2):
-            run_sum[v1] = _quad_sum(run_sum[v1])
-            if lane % 4 == 0:
-                red[group, s_coords[2 * v1][0]] = run_sum[v1]
-        cute.arch.barrier(barrier_id=1, number_of_threads=32 * WARPS)
-        for v1 in cutlass.range_constexpr(2):
-            row = s_coords[2 * v1][0]
-            run_sum[v1] = red[0, row] + red[1, row]
-        if splits == 1:
-            out_pairs = cute.make_tensor(out_ptr, cute.make_layout((2, rows * heads, LATENT // 2),
+                acc_s.fill(0.0)
+                warpgroup.fence()
+                for kb in cutlass.range_constexpr(ROW // 16):
+                    cute.gemm(mma_qk, acc_s, frag_q[None, None, kb], frag_k[None, None, kb], acc_s)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+
+                # online softmax on the rows a thread holds: the row max across its quad, the sum
+                # per thread (the quad's partial sums meet once, at the end)
+                token0 = (c0 + it) * chunk
+                for v1 in cutlass.range_constexpr(2):
+                    best = -Float32.inf
+                    for j in cutlass.range_constexpr(chunk // 8):
+                        for v0 in cutlass.range_constexpr(2):
+                            i = v0 + 2 * v1 + 4 * j
+                            s2 = cutlass.select_(token0 + s_coords[i][1] < limit[v1], acc_s[i] * scale_log2,
+                                                 -Float32.inf)
+                            acc_s[i] = s2
+                            best = cute.arch.fmax(best, s2)
+                    new_max = cute.arch.fmax(run_max[v1], _quad_max(best))
+                    # a row with nothing visible yet keeps max −inf; exp2 against 0 then gives 0s
+                    ref = cutlass.select_(new_max == -Float32.inf, Float32(0.0), new_max)
+                    rescale[v1] = cute.math.exp2(run_max[v1] - ref, fastmath=True)
+                    run_max[v1] = new_max
+                    part = Float32(0.0)
+                    for j in cutlass.range_constexpr(chunk // 8):
+                        for v0 in cutlass.range_constexpr(2):
+                            i = v0 + 2 * v1 + 4 * j
+                            pw = cute.math.exp2(acc_s[i] - ref, fastmath=True)
+                            part += pw
+                            p_bf[i] = pw.to(BFloat16)
+                    run_sum[v1] = run_sum[v1] * rescale[v1] + part
+                for i in cutlass.range(cute.size(acc_o), unroll_full=True):
+                    acc_o[i] = acc_o[i] * rescale[(i // 2) % 2]
+
+                warpgroup.fence()
+                for kk in cutlass.range_constexpr(chunk // 16):
+                    cute.gemm(mma_pv, acc_o, p_a[None, None, kk], frag_v[None, None, kk], acc_o)
+                warpgroup.commit_group()
+                warpgroup.wait_group(0)
+                cute.arch.mbarrier_arrive(free + it % stages)
+
+            for v1 in cutlass.range_constexpr(2):
+                run_sum[v1] = _quad_sum(run_sum[v1])
+            if splits == 1:
+                out_pairs = cute.make_tensor(out_ptr, cute.make_layout((2, rows * heads, LATENT // 2),
+                                                                       stride=(1, LATENT, 2)))
+                o_pair = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
+                for v1 in cutlass.range_constexpr(2):
+                    row = o_coords[2 * v1][0]
+                    if row < valid_rows:
+                        total = run_sum[v1]
+                        inv = cutlass.select_(total > 0.0, 1.0 / total, Float32(0.0))
+                        for j in cutlass.range_constexpr(HALF // 8):
+                            for v0 in cutlass.range_constexpr(2):
+                                o_pair[v0] = (acc_o[v0 + 2 * v1 + 4 * j] * inv).to(BFloat16)
+                            col = HALF * group + o_coords[2 * v1 + 4 * j][1]
+                            cute.autovec_copy(o_pair, out_pairs[None, out_base + row, col // 2])
+            else:
+                ws_o = cute.make_tensor(ws_o_ptr, cute.make_layout((2, slots * TILE_ROWS, LATENT // 2),
                                                                    stride=(1, LATENT, 2)))
-            o_pair = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
-            for v1 in cutlass.range_constexpr(2):
-                row = o_coords[2 * v1][0]
-                if row < valid_rows:
-                    total = run_sum[v1]
-                    inv = cutlass.select_(total > 0.0, 1.0 / total, Float32(0.0))
-                    for j in cutlass.range_constexpr(HALF // 8):
-                        for v0 in cutlass.range_constexpr(2):
-                            o_pair[v0] = (acc_o[v0 + 2 * v1 + 4 * j] * inv).to(BFloat16)
-                        col = HALF * group + o_coords[2 * v1 + 4 * j][1]
-                        cute.autovec_copy(o_pair, out_pairs[None, out_base + row, col // 2])
-        else:
-            ws_o = cute.make_tensor(ws_o_ptr, cute.make_layout((2, slots * TILE_ROWS, LATENT // 2),
-                                                               stride=(1, LATENT, 2)))
-            ws_ml = cute.make_tensor(ws_ml_ptr, cute.make_layout((slots * TILE_ROWS, 2), stride=(2, 1)))
-            o_pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
-            for v1 in cutlass.range_constexpr(2):
-                row = o_coords[2 * v1][0]
-                if row < valid_rows:
-                    for j in cutlass.range_constexpr(HALF // 8):
-                        for v0 in cutlass.range_constexpr(2):
-                            o_pair[v0] = acc_o[v0 + 2 * v1 + 4 * j]
-                        col = HALF * group + o_coords[2 * v1 + 4 * j][1]
-                        cute.autovec_copy(o_pair, ws_o[None, unit * TILE_ROWS + row, col // 2])
-                    if group == 0:  # both warpgroups hold the same statistics
-                        if lane % 4 == 0:
-                            ws_ml[unit * TILE_ROWS + row, 0] = run_max[v1]
-                            ws_ml[unit * TILE_ROWS + row, 1] = run_sum[v1]
+                ws_ml = cute.make_tensor(ws_ml_ptr, cute.make_layout((slots * TILE_ROWS, 2), stride=(2, 1)))
+                o_pair = cute.make_rmem_tensor(cute.make_layout(2), Float32)
+                for v1 in cutlass.range_constexpr(2):
+                    row = o_coords[2 * v1][0]
+                    if row < valid_rows:
+                        for j in cutlass.range_constexpr(HALF // 8):
+                            for v0 in cutlass.range_constexpr(2):
+                                o_pair[v0] = acc_o[v0 + 2 * v1 + 4 * j]
+                            col = HALF * group + o_coords[2 * v1 + 4 * j][1]
+                            cute.autovec_copy(o_pair, ws_o[None, unit * TILE_ROWS + row, col // 2])
+                        if group == 0:  # both warpgroups hold the same statistics
+                            if lane % 4 == 0:
+                                ws_ml[unit * TILE_ROWS + row, 0] = run_max[v1]
+                                ws_ml[unit * TILE_ROWS + row, 1] = run_sum[v1]
 
 
 def smem_layouts(chunk: int):
@@ -317,14 +312,14 @@ def _host(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointer,
           info_ptr: cute.Pointer, rows: Int32, requests: Int32, num_blocks: Int32, max_blocks: Int32, slots: Int32,
           target: Int32, min_chunks: Int32, scale_log2: Float32, stream: cuda.CUstream, plan: Constexpr):
     mma_qk = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                         (1, 1, 1), tiler_mn=(TILE_ROWS, plan.chunk // 2))
+                                         (1, 1, 1), tiler_mn=(TILE_ROWS, plan.chunk))
     mma_pv = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-                                         (1, 1, 1), tiler_mn=(TILE_ROWS, HALF))
-    q_layout, k_layout, v_layout, p_layout = smem_layouts(plan.chunk)
+                                         (1, 1, 1), tiler_mn=(TILE_ROWS, HALF), a_source=warpgroup.OperandSource.RMEM)
+    q_layout, k_layout, v_layout, _ = smem_layouts(plan.chunk)
     _kernel(q_ptr, cache_ptr, table_ptr, lens_ptr, starts_ptr, out_ptr, ws_o_ptr, ws_ml_ptr, info_ptr,
             rows, requests, num_blocks, max_blocks, slots, target, min_chunks, scale_log2,
-            mma_qk, mma_pv, q_layout, k_layout, v_layout, p_layout, plan).launch(
-        grid=(slots, 1, 1), block=(32 * WARPS, 1, 1), stream=stream)
+            mma_qk, mma_pv, q_layout, k_layout, v_layout, plan).launch(
+        grid=(slots, 1, 1), block=(THREADS, 1, 1), stream=stream, min_blocks_per_mp=1)
 
 
 def compile_mla_decode_wgmma(plan: Any, arch: str, ptx_dir: str | None = None) -> Any:
