@@ -92,7 +92,8 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
             info_ptr: cute.Pointer, rows: Int32, requests: Int32, num_blocks: Int32, max_blocks: Int32,
             slots: Int32, target: Int32, min_chunks: Int32, scale_log2: Float32,
             mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, q_layout: cute.ComposedLayout,
-            k_layout: cute.ComposedLayout, v_layout: cute.ComposedLayout, plan: Constexpr):
+            k_layout: cute.ComposedLayout, v_layout: cute.ComposedLayout, p_layout: cute.ComposedLayout,
+            plan: Constexpr):
     cute.arch.griddepcontrol_launch_dependents()  # as in mla_decode
     tid, _, _ = cute.arch.thread_idx()
     unit, _, _ = cute.arch.block_idx()
@@ -132,6 +133,7 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
         ring_raw = smem.allocate_tensor(BFloat16, cute.make_layout(stages * chunk * ROW), byte_alignment=1024)
         full = smem.allocate_array(Int64, stages, byte_alignment=8)  # a stage landed (the loaders arrive)
         free = smem.allocate_array(Int64, stages, byte_alignment=8)  # a stage was read (the consumers arrive)
+        red = smem.allocate_tensor(Float32, cute.make_layout((2, TILE_ROWS), stride=(TILE_ROWS, 1)), byte_alignment=16)
         if tid == 0:
             for st in cutlass.range_constexpr(stages):
                 cute.arch.mbarrier_init(full + st, 32 * LOADERS)
@@ -161,43 +163,46 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
             ring_base = ring_raw.iterator.toint()
             table_row = req * max_blocks
             phys = cute.make_rmem_tensor(cute.make_layout(chunk // LOADERS), Int32)
-            for p in cutlass.range_constexpr(stages):
+            # chunk c goes to stage c % 2; chunk it + 1 is handed over as soon as it lands (the
+            # compute warpgroups are on chunk it), then chunk it + 2 refills chunk it's stage once
+            # both warpgroups are done with it
+            for p in cutlass.range_constexpr(2):
                 if p < n_chunks:
                     _chunk_rows(phys, table, c0 + p, token_end, lwarp, table_row, num_blocks, block_size, chunk,
                                 LOADERS)
                     _issue_chunk(g2s, cache_base, phys, ring_base, Int32(p), lwarp, lane, chunk, LOADERS)
-                cute.arch.cp_async_commit_group()  # one group per chunk, empty or not: uniform waits
+                cute.arch.cp_async_commit_group()  # empty or not: uniform waits
+            cute.arch.cp_async_wait_group(1)
+            cute.arch.fence_proxy("async.shared", space="cta")
+            cute.arch.mbarrier_arrive(full)
             for it in cutlass.range(n_chunks, unroll=1):
-                cute.arch.cp_async_wait_group(stages - 1)  # chunk `it`: the groups after it are the others
-                cute.arch.fence_proxy("async.shared", space="cta")
-                cute.arch.mbarrier_arrive(full + it % stages)
-                nxt = it + stages
-                if nxt < n_chunks:
-                    cute.arch.mbarrier_wait(free + it % stages, (it // stages) % 2)  # both warpgroups read it
-                    _chunk_rows(phys, table, c0 + nxt, token_end, lwarp, table_row, num_blocks, block_size, chunk,
+                if it + 1 < n_chunks:
+                    cute.arch.cp_async_wait_group(0)
+                    cute.arch.fence_proxy("async.shared", space="cta")
+                    cute.arch.mbarrier_arrive(full + (it + 1) % 2)
+                if it + 2 < n_chunks:
+                    cute.arch.mbarrier_wait(free + it % 2, (it // 2) % 2)
+                    _chunk_rows(phys, table, c0 + it + 2, token_end, lwarp, table_row, num_blocks, block_size, chunk,
                                 LOADERS)
-                    _issue_chunk(g2s, cache_base, phys, ring_base, nxt % stages, lwarp, lane, chunk, LOADERS)
-                cute.arch.cp_async_commit_group()
-            cute.arch.cp_async_wait_group(0)
+                    _issue_chunk(g2s, cache_base, phys, ring_base, it % 2, lwarp, lane, chunk, LOADERS)
+                    cute.arch.cp_async_commit_group()
         else:
             cute.arch.setmaxregister_increase(CONSUMER_REGS)
             q_swz = cute.recast_ptr(q_raw.iterator, q_layout.inner, dtype=BFloat16)
             ring_swz = cute.recast_ptr(ring_raw.iterator, k_layout.inner, dtype=BFloat16)
+            half = chunk // 2  # tokens each warpgroup scores
             thr_qk = mma_qk.get_slice(wg_tid)
             thr_pv = mma_pv.get_slice(wg_tid)
             frag_q = mma_qk.make_fragment_A(thr_qk.partition_A(cute.make_tensor(q_swz, q_layout.outer)))
-            s_coords = thr_qk.partition_C(cute.make_identity_tensor((TILE_ROWS, chunk)))
+            s_coords = thr_qk.partition_C(cute.make_identity_tensor((TILE_ROWS, half)))
             acc_s = cute.make_rmem_tensor(s_coords.shape, Float32)
             o_coords = thr_pv.partition_C(cute.make_identity_tensor((TILE_ROWS, HALF)))
             acc_o = cute.make_rmem_tensor(o_coords.shape, Float32)
             acc_o.fill(0.0)
             mma_qk.set(warpgroup.Field.ACCUMULATE, True)
             mma_pv.set(warpgroup.Field.ACCUMULATE, True)
-            # the weights in bf16 as P·V's register A operand: S's n8 blocks 2k, 2k + 1 are A's k16
-            # block k (values: column pair, row + 8, k + 8)
-            p_bf = cute.make_rmem_tensor(cute.size(acc_s), BFloat16)
-            p_a = cute.make_tensor(p_bf.iterator, cute.make_layout(((2, 2, 2), 1, chunk // 16),
-                                                                  stride=((1, 2, 4), 0, 8)))
+            pair = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
+            ring_base = ring_raw.iterator.toint()
 
             # a thread holds rows r and r + 8 (value bit 1); how far each may look (verify rows are causal)
             limit = cute.make_rmem_tensor(cute.make_layout(2), Int32)
@@ -213,9 +218,14 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
             run_sum.fill(0.0)
 
             for it in cutlass.range(n_chunks, unroll=1):
-                cute.arch.mbarrier_wait(full + it % stages, (it // stages) % 2)
-                stage_ptr = ring_swz + (it % stages) * (chunk * ROW)
-                frag_k = mma_qk.make_fragment_B(thr_qk.partition_B(cute.make_tensor(stage_ptr, k_layout.outer)))
+                cute.arch.mbarrier_wait(full + it % 2, (it // 2) % 2)
+                stage_ptr = ring_swz + (it % 2) * (chunk * ROW)
+                keys = cute.local_tile(cute.make_tensor(stage_ptr, k_layout.outer), (half, ROW), (group, 0))
+                frag_k = mma_qk.make_fragment_B(thr_qk.partition_B(keys))
+                # the weights [64, chunk] go where the chunk's rope columns were (P·V reads only c)
+                weights = cute.make_tensor(stage_ptr + (LATENT // BLOCK) * (chunk * BLOCK), p_layout.outer)
+                p_base = ring_base + 2 * ((it % 2) * (chunk * ROW) + (LATENT // BLOCK) * (chunk * BLOCK))
+                frag_p = mma_pv.make_fragment_A(thr_pv.partition_A(weights))
                 frag_v = mma_pv.make_fragment_B(thr_pv.partition_B(
                     cute.make_tensor(stage_ptr + group * (HALF // BLOCK) * (chunk * BLOCK), v_layout.outer)))
 
@@ -226,43 +236,64 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
 
-                # online softmax on the rows a thread holds: the row max across its quad, the sum
-                # per thread (the quad's partial sums meet once, at the end)
-                token0 = (c0 + it) * chunk
+                # online softmax: the row max over both warpgroups' tokens (through shared memory),
+                # the sum per thread over its own (the partial sums meet once, at the end)
+                token0 = (c0 + it) * chunk + half * group
                 for v1 in cutlass.range_constexpr(2):
                     best = -Float32.inf
-                    for j in cutlass.range_constexpr(chunk // 8):
+                    for j in cutlass.range_constexpr(half // 8):
                         for v0 in cutlass.range_constexpr(2):
                             i = v0 + 2 * v1 + 4 * j
                             s2 = cutlass.select_(token0 + s_coords[i][1] < limit[v1], acc_s[i] * scale_log2,
                                                  -Float32.inf)
                             acc_s[i] = s2
                             best = cute.arch.fmax(best, s2)
-                    new_max = cute.arch.fmax(run_max[v1], _quad_max(best))
+                    best = _quad_max(best)
+                    if lane % 4 == 0:
+                        red[group, s_coords[2 * v1][0]] = best
+                # both warpgroups' scores are done, so the rope columns are free for the weights
+                cute.arch.barrier(barrier_id=1, number_of_threads=32 * WARPS)
+                for v1 in cutlass.range_constexpr(2):
+                    row = s_coords[2 * v1][0]
+                    new_max = cute.arch.fmax(run_max[v1], cute.arch.fmax(red[0, row], red[1, row]))
                     # a row with nothing visible yet keeps max −inf; exp2 against 0 then gives 0s
                     ref = cutlass.select_(new_max == -Float32.inf, Float32(0.0), new_max)
                     rescale[v1] = cute.math.exp2(run_max[v1] - ref, fastmath=True)
                     run_max[v1] = new_max
                     part = Float32(0.0)
-                    for j in cutlass.range_constexpr(chunk // 8):
+                    for j in cutlass.range_constexpr(half // 8):
                         for v0 in cutlass.range_constexpr(2):
                             i = v0 + 2 * v1 + 4 * j
                             pw = cute.math.exp2(acc_s[i] - ref, fastmath=True)
                             part += pw
-                            p_bf[i] = pw.to(BFloat16)
+                            acc_s[i] = pw
+                        col = half * group + s_coords[4 * j][1]
+                        pair[0] = acc_s[2 * v1 + 4 * j].to(BFloat16)
+                        pair[1] = acc_s[1 + 2 * v1 + 4 * j].to(BFloat16)
+                        cute.autovec_copy(pair, _smem_vec(p_base, row * BLOCK + VEC * ((col // VEC) ^ (row % 8))
+                                                          + col % VEC, 2))
                     run_sum[v1] = run_sum[v1] * rescale[v1] + part
                 for i in cutlass.range(cute.size(acc_o), unroll_full=True):
                     acc_o[i] = acc_o[i] * rescale[(i // 2) % 2]
+                cute.arch.fence_proxy("async.shared", space="cta")
+                cute.arch.barrier(barrier_id=2, number_of_threads=32 * WARPS)
 
                 warpgroup.fence()
                 for kk in cutlass.range_constexpr(chunk // 16):
-                    cute.gemm(mma_pv, acc_o, p_a[None, None, kk], frag_v[None, None, kk], acc_o)
+                    cute.gemm(mma_pv, acc_o, frag_p[None, None, kk], frag_v[None, None, kk], acc_o)
                 warpgroup.commit_group()
                 warpgroup.wait_group(0)
-                cute.arch.mbarrier_arrive(free + it % stages)
+                cute.arch.mbarrier_arrive(free + it % 2)
 
+            # the row sums: the quad's, then the other warpgroup's (its reads of `red` ended before barrier 2)
             for v1 in cutlass.range_constexpr(2):
                 run_sum[v1] = _quad_sum(run_sum[v1])
+                if lane % 4 == 0:
+                    red[group, s_coords[2 * v1][0]] = run_sum[v1]
+            cute.arch.barrier(barrier_id=1, number_of_threads=32 * WARPS)
+            for v1 in cutlass.range_constexpr(2):
+                row = s_coords[2 * v1][0]
+                run_sum[v1] = red[0, row] + red[1, row]
             if splits == 1:
                 out_pairs = cute.make_tensor(out_ptr, cute.make_layout((2, rows * heads, LATENT // 2),
                                                                        stride=(1, LATENT, 2)))
@@ -312,13 +343,13 @@ def _host(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointer,
           info_ptr: cute.Pointer, rows: Int32, requests: Int32, num_blocks: Int32, max_blocks: Int32, slots: Int32,
           target: Int32, min_chunks: Int32, scale_log2: Float32, stream: cuda.CUstream, plan: Constexpr):
     mma_qk = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                         (1, 1, 1), tiler_mn=(TILE_ROWS, plan.chunk))
+                                         (1, 1, 1), tiler_mn=(TILE_ROWS, plan.chunk // 2))
     mma_pv = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
-                                         (1, 1, 1), tiler_mn=(TILE_ROWS, HALF), a_source=warpgroup.OperandSource.RMEM)
-    q_layout, k_layout, v_layout, _ = smem_layouts(plan.chunk)
+                                         (1, 1, 1), tiler_mn=(TILE_ROWS, HALF))
+    q_layout, k_layout, v_layout, p_layout = smem_layouts(plan.chunk)
     _kernel(q_ptr, cache_ptr, table_ptr, lens_ptr, starts_ptr, out_ptr, ws_o_ptr, ws_ml_ptr, info_ptr,
             rows, requests, num_blocks, max_blocks, slots, target, min_chunks, scale_log2,
-            mma_qk, mma_pv, q_layout, k_layout, v_layout, plan).launch(
+            mma_qk, mma_pv, q_layout, k_layout, v_layout, p_layout, plan).launch(
         grid=(slots, 1, 1), block=(THREADS, 1, 1), stream=stream, min_blocks_per_mp=1)
 
 
