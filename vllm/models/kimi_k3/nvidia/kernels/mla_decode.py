@@ -227,7 +227,7 @@ def choose_plan(heads: int, max_q: int, block_size: int, arch: str | None = None
 def sweep_plans(heads: int, max_q: int, block_size: int, arch: str | None = None) -> list[DecodePlan]:
     """The default plan first, then the variants a benchmark compares with it."""
     base = choose_plan(heads, max_q, block_size, arch)
-    if base.mma == "wgmma":  # against the mma.sync kernel's default, and the shorter stages
+    if base.mma == "wgmma":  # against the mma.sync kernel's default, and two waves
         return [base, choose_plan(heads, max_q, block_size), replace(base, waves=2)]
     rows = heads * max_q
     variants = [replace(base, **kw) for kw in (
@@ -490,7 +490,6 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
         lens_ptr, starts_ptr, info_ptr, unit, tid, requests, rows, max_blocks, slots, target, min_chunks, plan)
     table = cute.make_tensor(table_ptr, cute.make_layout(requests * max_blocks))
     if req < requests:
-
         smem = cutlass.memory.SmemAllocator()
         ring = smem.allocate_tensor(
             BFloat16, cute.make_layout((VEC, stages, chunk, PITCH // VEC),

@@ -86,7 +86,6 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
         lens_ptr, starts_ptr, info_ptr, unit, tid, requests, rows, max_blocks, slots, target, min_chunks, plan)
     table = cute.make_tensor(table_ptr, cute.make_layout(requests * max_blocks))
     if req < requests:
-
         smem = cutlass.memory.SmemAllocator()
         q_raw = smem.allocate_tensor(BFloat16, cute.make_layout(TILE_ROWS * ROW), byte_alignment=1024)
         ring_raw = smem.allocate_tensor(BFloat16, cute.make_layout(stages * chunk * ROW), byte_alignment=1024)
