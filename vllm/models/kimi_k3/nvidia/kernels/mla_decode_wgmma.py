@@ -38,7 +38,7 @@ import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90
 from cutlass import BFloat16, Constexpr, Float32, Int32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
-from cutlass.utils import LayoutEnum
+from cutlass.tensor_utils import LayoutEnum  # cutlass.utils.LayoutEnum is deprecated in 4.8
 
 from . import mla_combine
 from .mla_decode import LATENT, ROW, ROW_VECS, VEC, _chunk_rows, _claim, _issue_chunk, _quad_max, _quad_sum
