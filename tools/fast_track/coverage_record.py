@@ -35,8 +35,8 @@ def _test_files(root: Path, command: str) -> list[str]:
         words = shlex.split(command)
     except ValueError:
         words = command.split()
-    return sorted({Path(w.split("::")[0]).as_posix() for w in words
-                   if w.split("::")[0].endswith(".py") and (root / w.split("::")[0]).is_file()})
+    paths = (w.split("::")[0] for w in words)  # a pytest node id names its file before "::"
+    return sorted({Path(p).as_posix() for p in paths if p.endswith(".py") and (root / p).is_file()})
 
 
 def coverage_record(model: ModelFolder, report: dict[str, Any], command: str) -> dict[str, Any]:
