@@ -24,7 +24,8 @@ travels) before the next. Records whose command it cannot rewrite are echoed as 
 run half-right. Records made on a CPU (no `gpu`) are left to the CPU. On a host of several GPUs
 (`--gpus N`, which refresh_stale passes) the steps run as N queues side by side, one per GPU
 (`on_gpus`); with `--lanes L` the checks (every kind but the timed ones) share each GPU in L
-lanes, and the timed records run after them, alone on their GPU. On 2026-12-04 three lanes ran five checks whose last runs took 801 s in one
+lanes, and the timed records run after them, alone on their GPU (on an 80 GB card, `--card h100`,
+the kernel tests and the depth tests take turns with the 12-layer blocks in the first lane). On 2026-12-04 three lanes ran five checks whose last runs took 801 s in one
 580 s call (the depth test 334 -> 472 s, an eval 187 -> 310 s: the lanes share the host's cores
 and the GPU), so a record's `wall_s` from a lane overstates what it takes alone.
 """
@@ -91,6 +92,13 @@ HOLDS_A_BLOCK = frozenset({"executor_long_runs.json", "executor_long_runs_rows64
                            "executor_long_runs_tp8_rows64.json", "executor_long_runs_tp8_mid.json",
                            "executor_long_runs_tp8_rows16_32.json",
                            "pinned_routing_parity.json", "parity_rule_power.json"})
+# on an 80 GB card (evidence/h100/) a block leaves about 20 GB: on 2026-12-06 the skinny-GEMM and MoE
+# kernel tests ran out of memory there beside the rows-16/32 long runs (59.2 GB), and the depth tests
+# (93 layers) need more than that too. So on such a card these take turns with the blocks in the
+# first lane, and the other lanes get only the light checks (evals, features, binding, sanitizers)
+HEAVY_ON_80GB = frozenset({"executor_depth_parity.json", "executor_depth_parity_tp8.json"})
+HEAVY_KINDS_ON_80GB = ("kernel-test",)
+CARDS_OF_80GB = ("h100",)
 EV = "$K3_EVIDENCE_DIR"
 # a folder the records were written to on the device, in any session: /root/out/ev, /root/out/w/ev
 _DEVICE_EV = re.compile(r"^/root/out(/w)?/ev(/|$)")
@@ -439,7 +447,13 @@ def main(argv: list[str] | None = None) -> int:
              + unrecorded(kinds=frozenset({"parity"}))
              + step_lines([r for r in records if Path(r.rel).name in elsewhere], seen))
     timed = frozenset(Path(r.rel).stem for r in records if r.kind in TIMED_KINDS)
-    print("\n".join(on_gpus(lines, args.gpus, args.lanes, timed, frozenset(Path(n).stem for n in HOLDS_A_BLOCK))))
+    first_lane = {Path(n).stem for n in HOLDS_A_BLOCK}
+    if args.card in CARDS_OF_80GB:
+        first_lane |= {Path(n).stem for n in HEAVY_ON_80GB}
+        first_lane |= {Path(r.rel).stem for r in records if r.kind in HEAVY_KINDS_ON_80GB}
+        first_lane |= {_name(line) for line in unrecorded(kinds=frozenset(HEAVY_KINDS_ON_80GB))
+                       if _STEP_LINE.match(line)}
+    print("\n".join(on_gpus(lines, args.gpus, args.lanes, timed, frozenset(first_lane))))
     return 0
 
 

@@ -3,13 +3,15 @@
 The GPU workflow runs the GPU tests under `coverage run --source=<model>/kernels` and
 `coverage json`; this turns that report into one record (kind `kernel-test`, family
 `coverage`) so item `kernel-tests` can see which kernel lines ran on the GPU. Its
-`sources` are the kernel files the report covers; one result per file passes when at
-least one of its lines ran; `coverage.files` keeps the executed and missing lines.
+`sources` are the kernel files the report covers and the test files the command runs (which
+lines run depends on both); one result per kernel file passes when at least one of its lines
+ran; `coverage.files` keeps the executed and missing lines.
 """
 
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,16 @@ def _repo_relative(root: Path, key: str) -> str:
     return path.as_posix()
 
 
+def _test_files(root: Path, command: str) -> list[str]:
+    """The .py files of the repository that `command` names (the tests coverage ran)."""
+    try:
+        words = shlex.split(command)
+    except ValueError:
+        words = command.split()
+    paths = (w.split("::")[0] for w in words)  # a pytest node id names its file before "::"
+    return sorted({Path(p).as_posix() for p in paths if p.endswith(".py") and (root / p).is_file()})
+
+
 def coverage_record(model: ModelFolder, report: dict[str, Any], command: str) -> dict[str, Any]:
     files = report.get("files")
     if not isinstance(files, dict):
@@ -42,9 +54,10 @@ def coverage_record(model: ModelFolder, report: dict[str, Any], command: str) ->
     if not covered:
         raise ValueError(f"the coverage report covers no file under {kernels}: run the tests with "
                          f"`coverage run --source={model.sub('kernels')}`")
-    record = record_head(model.root, "kernel-test", "coverage", command, sorted(covered))
+    record = record_head(model.root, "kernel-test", "coverage", command,
+                         sorted(covered) + _test_files(model.root, command))
     results = []
-    for rel in record["sources"]:
+    for rel in sorted(covered):
         executed, missing = covered[rel]["executed_lines"], covered[rel]["missing_lines"]
         statements = len(executed) + len(missing)
         results.append({"name": f"coverage:{rel}", "status": "pass" if executed else "fail",

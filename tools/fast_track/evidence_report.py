@@ -5,7 +5,9 @@ it, linked relative to `out`), so the committed report can be compared with a fr
 rendering: item `evidence-report` fails when docs/fast_track/<model>_evidence.md is
 missing or differs. Freshness is not rendered (it changes with every source edit);
 `fast-track check` judges it. Per record: what ran and where, then one row per result
-with every figure the results carry, then the targets met or missed. The summary counts
+with every figure the results carry, then the targets met or missed. A kernel test of more
+than MAX_CASE_ROWS cases instead lists the cases that did not pass and, per figure, its
+least and most value with the case of each (the record keeps every case). The summary counts
 results by status: pass, fail, and, where present, skip and other, never lumped together.
 """
 
@@ -20,6 +22,9 @@ from .items import FAIL, PASS, Finding, ItemResult
 from .model import ModelFolder
 
 FIXED_COLUMNS = ("name", "shape", "status")
+# hundreds of passing rows (1144 in the skinny-GEMM test) hide the few that matter, and listing
+# them made the report 682 KB of the repository's 8 MiB; benchmarks, parity and evals keep every row
+MAX_CASE_ROWS = 40
 
 
 def report_path(model: ModelFolder) -> str:
@@ -70,6 +75,22 @@ def _summary_row(record: Record) -> list[Any]:
             f"{met} met / {len(record.targets) - met} missed" if record.targets else "—"]
 
 
+def _figure_ranges(results: list[dict[str, Any]], columns: list[str]) -> list[str]:
+    """Per numeric column: how many cases carry it, its least and most value and the case of
+    each, and how many are NaN (no order puts those anywhere)."""
+    rows = []
+    for col in columns:
+        values = [(r[col], r.get("name")) for r in results
+                  if isinstance(r.get(col), (int, float)) and not isinstance(r.get(col), bool)]
+        if not values:
+            continue
+        ordered = [v for v in values if v[0] == v[0]]
+        least = min(ordered, key=lambda v: v[0]) if ordered else (None, None)
+        most = max(ordered, key=lambda v: v[0]) if ordered else (None, None)
+        rows.append([col, len(values), least[0], least[1], most[0], most[1], len(values) - len(ordered)])
+    return _table(["figure", "cases", "least", "at", "most", "at", "NaN"], rows) if rows else []
+
+
 def _record_section(record: Record) -> list[str]:
     data = record.data
     versions = data.get("versions") or {}
@@ -88,7 +109,18 @@ def _record_section(record: Record) -> list[str]:
         for result in record.results:
             extra += [k for k in result if k not in FIXED_COLUMNS and k not in extra]
         header = [c for c in FIXED_COLUMNS if any(c in r for r in record.results)] + extra
-        lines += ["", *_table(header, [[r.get(c) for c in header] for r in record.results])]
+        if record.kind == "kernel-test" and len(record.results) > MAX_CASE_ROWS:
+            shown = [r for r in record.results if r.get("status") != "pass"]
+            which = f"the {len(shown)} not passing listed" if shown else "all passing"
+            lines += ["", f"{len(record.results)} cases, {which}; each figure's range over all of them "
+                      "(the record keeps every case)."]
+            if shown:
+                lines += ["", *_table(header, [[r.get(c) for c in header] for r in shown])]
+            ranges = _figure_ranges(record.results, extra)
+            if ranges:
+                lines += ["", *ranges]
+        else:
+            lines += ["", *_table(header, [[r.get(c) for c in header] for r in record.results])]
     if record.targets:
         rows = [[t.get("name"), t.get("target"), t.get("value"),
                  "met" if t.get("met") is True else "**missed**"] for t in record.targets]

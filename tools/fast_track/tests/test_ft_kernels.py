@@ -88,6 +88,30 @@ def test_record_coverage_turns_a_coverage_report_into_evidence_the_item_accepts(
     assert review_items(repo.root)["kernel-tests"].status == PASS
 
 
+def test_the_test_that_ran_is_a_source_of_the_coverage_record(repo, capsys):
+    """Which kernel lines run depends on the test too: a changed test stales the coverage it made."""
+    report = {"files": {str(repo.root / KERNEL): {"executed_lines": [1], "missing_lines": []}}}
+    (repo.root / "cov.json").write_text(json.dumps(report))
+    command = f"coverage run -m pytest -q -m gpu {GPU_TEST}::test_add_runs_on_gpu_and_counts missing.py"
+    cwd = os.getcwd()
+    os.chdir(repo.root)
+    try:
+        args = ["record-coverage", "--coverage", "cov.json", "--out", COVERAGE, "--command", command]
+        assert main(args) == 0
+    finally:
+        os.chdir(cwd)
+    record = json.loads((repo.root / COVERAGE).read_text())
+    assert record["sources"] == sorted([KERNEL, GPU_TEST])
+    assert [r["name"] for r in record["results"]] == [f"coverage:{KERNEL}"]
+    repo.git("add", "-A")
+    repo.git("commit", "-qm", "coverage")
+    assert "stale" not in review_items(repo.root)["kernel-tests"].summary
+    path = repo.root / GPU_TEST
+    path.write_text(path.read_text() + "\n")
+    item = review_items(repo.root)["kernel-tests"]
+    assert any("coverage only in stale evidence" in f.message for f in item.findings)
+
+
 def test_record_coverage_refuses_a_report_without_kernels(repo, capsys):
     (repo.root / "cov.json").write_text(json.dumps({"files": {"elsewhere.py": {}}}))
     cwd = os.getcwd()

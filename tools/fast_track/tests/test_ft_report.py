@@ -121,3 +121,34 @@ def test_the_evidence_report_counts_skips_and_other_statuses_apart_from_failures
     row = next(line for line in text.splitlines() if line.startswith(f"| `{rel}` |"))
     assert "| 1 pass / 1 fail / 2 skip / 2 other |" in row
     assert "| 1 pass / 0 fail |" in next(line for line in text.splitlines() if "decode.json` |" in line)
+
+
+def test_a_kernel_test_of_many_cases_lists_what_did_not_pass_and_each_figures_range(repo):
+    """Past MAX_CASE_ROWS a kernel test's passing cases are summed up, not listed: every case
+    that did not pass keeps its row, and each figure its least and most value with their cases."""
+    import json
+
+    from ..evidence_report import MAX_CASE_ROWS, render
+    from ..model import ModelFolder
+
+    rel = f"{MODEL}/evidence/h200/kernel.json"
+    cases = [{"name": f"case{i}", "status": "pass", "rel_err": 1e-3 * (i + 1), "ok": True}
+             for i in range(MAX_CASE_ROWS)]
+    cases += [{"name": "bad", "status": "fail", "rel_err": float("nan")},
+              {"name": "tiny", "status": "pass", "rel_err": 1e-9}]
+    (repo.root / rel).write_text(json.dumps({
+        "kind": "kernel-test", "family": "add", "command": "pytest -m gpu t.py", "gpu": "NVIDIA H200",
+        "sources": [], "source_hash": "", "results": cases, "targets": []}))
+    text = render(ModelFolder(repo.root, MODEL), repo.root / "docs/fast_track/toy_evidence.md")
+    section = text.split(f"## kernel-test: `{rel}`")[1].split("\n## ")[0]
+    assert f"{MAX_CASE_ROWS + 2} cases, the 1 not passing listed;" in section
+    assert "| bad | fail | nan |" in section and "| case3 |" not in section
+    assert "| rel_err | 42 | 1e-09 | tiny | 0.04 | case39 | 1 |" in section
+    assert "\n| ok | " not in section  # a flag is no figure: no range row
+    # a benchmark keeps every row, however many
+    rel = f"{MODEL}/evidence/h200/bench.json"
+    (repo.root / rel).write_text(json.dumps({
+        "kind": "kernel-bench", "family": "add", "command": "python -m b", "gpu": "NVIDIA H200",
+        "sources": [], "source_hash": "", "results": cases, "targets": []}))
+    text = render(ModelFolder(repo.root, MODEL), repo.root / "docs/fast_track/toy_evidence.md")
+    assert "| case3 | pass |" in text.split(f"## kernel-bench: `{rel}`")[1]

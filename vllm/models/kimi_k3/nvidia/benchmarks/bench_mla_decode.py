@@ -41,6 +41,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from ..kernels import mla_decode
+from ..kernels.device import facts
 from ..latency_specialized.evidence import write_record
 from ..reference.mla import attend_latent
 from .bench_skinny_gemm import copy_bandwidth_TBps, require_cuda, time_graph
@@ -48,6 +49,7 @@ from .profile_step import kernel_table
 
 SOURCES = (
     "vllm/models/kimi_k3/nvidia/kernels/mla_decode.py",
+    "vllm/models/kimi_k3/nvidia/kernels/mla_decode_wgmma.py",
     "vllm/models/kimi_k3/nvidia/kernels/mla_combine.py",
     "vllm/models/kimi_k3/nvidia/benchmarks/bench_mla_decode.py",
 )
@@ -213,7 +215,7 @@ def bench_case(case: Case, copy_bw: float, baselines: tuple[str, ...], sm_count:
     res["floor_us"] = case.cache_bytes / (copy_bw * 1e12) * 1e6
     res["TBps"] = case.cache_bytes / (res["time_us"] * 1e-6) / 1e12
     res["frac_of_copy_bw"] = res["floor_us"] / res["time_us"]
-    units = units_of(case, mla_decode.choose_plan(case.heads, case.q, BLOCK_SIZE), sm_count)
+    units = units_of(case, mla_decode.choose_plan(case.heads, case.q, BLOCK_SIZE, facts(out.device).arch), sm_count)
     res["work_units"] = len(units)
     res["splits_per_request"] = units[0].splits
     res["status"] = "pass"
@@ -242,7 +244,8 @@ def bench_case(case: Case, copy_bw: float, baselines: tuple[str, ...], sm_count:
     elif bool(torch.isnan(out).any()):
         res["status"] = "fail"
     if sweep:
-        res["sweep"] = time_plans(case, copy_bw, sm_count, mla_decode.sweep_plans(case.heads, case.q, BLOCK_SIZE), ref)
+        res["sweep"] = time_plans(case, copy_bw, sm_count, mla_decode.sweep_plans(case.heads, case.q, BLOCK_SIZE,
+                                                                          facts(out.device).arch), ref)
         best = fastest(res["sweep"])
         res["best_plan"] = best["plan"] if best else None
         # the case's status stays the default kernel's (the record's targets read it); a variant

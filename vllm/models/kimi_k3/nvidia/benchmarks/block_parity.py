@@ -108,7 +108,7 @@ def k3_block(tp: int, seed: int = 0, device: str = "cuda", layers: int = BLOCK_L
              experts: int | None = None, dense: bool = False) -> ReferenceModel:
     """Rank 0 of a TP shard of K3's first `layers` layers (K3's pattern), random weights on the GPU.
     `dense`: every layer gets K3's dense SiTU MLP instead of the latent MoE (see PARITY_*).
-    Raises BlockDoesNotFit, before loading, where the experts alone exceed the free memory."""
+    Raises BlockDoesNotFit, before loading, where the weights (`check_fits`) exceed the free memory."""
     k3 = preset("k3")
     cfg = k3.replace(num_hidden_layers=layers, name=f"k3-{layers}L{'-dense' if dense else ''}",
                      first_k_dense_replace=layers if dense else k3.first_k_dense_replace,

@@ -1,6 +1,6 @@
 """KDA decode and speculative verify in one kernel: short conv, gates, gated delta rule, gated norm.
 
-Compiled for sm_90a, sm_100a and sm_103a. Evidence (H200): `evidence/h200/kda_decode_test.json`,
+Compiled for sm_90a, sm_100a and sm_103a. Evidence (`evidence/<card>/`): `kda_decode_test.json`,
 `kda_decode_bench.json`, `kda_decode_sanitizer.json`.
 
 Math (K3_MATH.md §3.4 steps 3-8, §4; reference: `reference/kda.py::kda_attention`, decode

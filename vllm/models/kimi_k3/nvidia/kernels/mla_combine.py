@@ -1,7 +1,7 @@
 """Combine of the KV splits of MLA decode attention: ol = Σ_s w_s O_s / Σ_s w_s ℓ_s.
 
-Compiled for sm_90a, sm_100a and sm_103a. Evidence (H200), with `mla_decode.py` that launches
-it: `evidence/h200/mla_decode_test.json`, `mla_decode_bench.json`.
+Compiled for sm_90a, sm_100a and sm_103a. Evidence (`evidence/<card>/`), with `mla_decode.py`
+that launches it: `mla_decode_test.json`, `mla_decode_bench.json`.
 
 Math: split s of a query row left an unnormalized FP32 partial O_s = Σ_{t ∈ s} 2^(x_t − m_s) c_t
 with its max m_s and sum ℓ_s = Σ_{t ∈ s} 2^(x_t − m_s) (x = scores in log2 units, written by
@@ -20,10 +20,14 @@ that unit computed: request (−1: idle), split s, splits n, the slot of split 0
 tile, the slot stride between splits, the tile's real rows and its first output row. Units
 of a request with n = 1 (written directly) and idle ones exit at once. Otherwise the n
 units of a tile share its rows × 4 column blocks of 128 (unit s takes pieces s, s + n, ...),
-so the combine is as parallel as the splits. Per piece the GROUPS warps take every GROUPS-th
-batch of UNROLL splits (16-byte loads of 4 columns per lane, a batch in flight at once),
-merge online in split order, then meet in shared memory, and warp 0 merges theirs in order
-and stores.
+so the combine is as parallel as the splits. The GROUPS warps form teams of P warps, P the
+least power of two with P · UNROLL >= n (at most GROUPS), and the GROUPS / P teams take
+consecutive pieces at once: a member warp merges every P-th batch of UNROLL splits (16-byte
+loads of 4 columns per lane, a batch in flight at once) online in split order, the team
+meets in shared memory, and its first warp merges the members' states in order and stores.
+Few splits (many requests, or a verify's many rows) give one-warp teams, so a unit's pieces
+cost one round trip each GROUPS of them; one long request's 128 splits give one team of all
+GROUPS warps, as many loads in flight for its single piece.
 """
 
 from __future__ import annotations
@@ -38,14 +42,34 @@ from cutlass import BFloat16, Constexpr, Float32, Int32
 from .rms_norm import gmem_ptr
 
 LATENT = 512
-# warps, each merging every GROUPS-th batch of splits, and the splits a warp loads at once: the
-# combine is latency-bound (one round trip per batch), and one request's 128 splits take one
-# batch a warp (H200, 2026-12-05: with 4 warps × 8 splits, four batches, it took 14-17 µs of
-# that request's 35-70 at 32K-128K, the split kernel 17-50)
+# warps, and the splits a warp loads at once: the combine is latency-bound (one round trip per
+# batch), and one request's 128 splits take one batch a warp (H200, 2026-12-05: with 4 warps ×
+# 8 splits, four batches, it took 14-17 µs of that request's 35-70 at 32K-128K, the split kernel
+# 17-50). With all GROUPS warps on one piece whatever the splits, 8 requests of q = 8 verify
+# (8 splits a tile, 24 pieces a unit, one after another) took 43-56 µs (H100, 2026-12-06)
 GROUPS = 8
 UNROLL = 16
 COL_BLOCKS = 4  # 128-column pieces of a row: 32 lanes × 4 columns
 INFO_FIELDS = 8  # request, split, splits, first slot, slot stride, valid rows, output row; 32-byte records
+
+
+# The partition of a tile's pieces and splits, written with + − * // and the given min only, so
+# the same functions run in the kernel (cutlass.min on Int32) and on the host (the CPU tests).
+
+
+def team_warps(splits, lo=cutlass.min):
+    """P: the least power of two with P · UNROLL >= splits (>= 1), at most GROUPS."""
+    p = splits * 0 + 1
+    for _ in range(GROUPS.bit_length() - 1):
+        p = p + p * lo(1, (splits - 1) // (p * UNROLL))  # doubles while p · UNROLL < splits
+    return p
+
+
+def round_piece(base, splits, team):
+    """The piece team `team` takes in the round whose first piece is `base`; a unit of split s
+    starts at base = s and steps by splits · teams, so the units of a tile and their teams take
+    every piece once."""
+    return base + splits * team
 
 
 @cute.jit
@@ -91,36 +115,46 @@ def _mla_combine_kernel(ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, info_pt
             o_batch = cute.make_rmem_tensor(cute.make_layout((4, UNROLL)), Float32)
             ml_batch = cute.make_rmem_tensor(cute.make_layout((2, UNROLL)), Float32)
             res = cute.make_rmem_tensor(cute.make_layout(4), BFloat16)
-            for piece in cutlass.range(split, valid_rows * COL_BLOCKS, splits):
+            # team size P: the least power of two (<= GROUPS) whose warps take every split in one
+            # batch each
+            warps = team_warps(splits)
+            teams = GROUPS // warps
+            team = group // warps
+            member = group - team * warps
+            pieces = valid_rows * COL_BLOCKS
+            # every team passes the same barriers: the loop runs over rounds of `teams` pieces
+            for base in cutlass.range(split, pieces, splits * teams):
+                piece = round_piece(base, splits, team)
                 row = piece // COL_BLOCKS
                 col4 = (piece - row * COL_BLOCKS) * 32 + lane  # which 4 columns of the row
-                state.fill(0.0)
-                state[0] = -Float32.inf
-                for s0 in cutlass.range(UNROLL * group, splits, UNROLL * GROUPS):
-                    # UNROLL independent loads in flight, then merged in split order; splits past
-                    # the last re-read it and weigh nothing (max −inf)
-                    for u in cutlass.range_constexpr(UNROLL):
-                        src = (first + cutlass.min(s0 + u, splits - 1) * stride) * tile_rows + row
-                        cute.autovec_copy(ws_o[None, src, col4], o_batch[None, u])
-                        ml_batch[0, u] = cutlass.select_(s0 + u < splits, ws_ml[src, 0], -Float32.inf)
-                        ml_batch[1, u] = ws_ml[src, 1]
-                    for u in cutlass.range_constexpr(UNROLL):
-                        _merge(state, o_batch[None, u], ml_batch[0, u], ml_batch[1, u])
-                for j in cutlass.range_constexpr(6):
-                    shared[j, lane, group] = state[j]
-                cute.arch.sync_threads()
-                if group == 0:
+                if piece < pieces:
                     state.fill(0.0)
                     state[0] = -Float32.inf
-                    for gr in cutlass.range_constexpr(GROUPS):
+                    for s0 in cutlass.range(UNROLL * member, splits, UNROLL * warps):
+                        # UNROLL independent loads in flight, then merged in split order; splits
+                        # past the last re-read it and weigh nothing (max −inf)
+                        for u in cutlass.range_constexpr(UNROLL):
+                            src = (first + cutlass.min(s0 + u, splits - 1) * stride) * tile_rows + row
+                            cute.autovec_copy(ws_o[None, src, col4], o_batch[None, u])
+                            ml_batch[0, u] = cutlass.select_(s0 + u < splits, ws_ml[src, 0], -Float32.inf)
+                            ml_batch[1, u] = ws_ml[src, 1]
+                        for u in cutlass.range_constexpr(UNROLL):
+                            _merge(state, o_batch[None, u], ml_batch[0, u], ml_batch[1, u])
+                    for j in cutlass.range_constexpr(6):
+                        shared[j, lane, group] = state[j]
+                cute.arch.sync_threads()
+                if piece < pieces and member == 0:
+                    state.fill(0.0)
+                    state[0] = -Float32.inf
+                    for k in cutlass.range(warps):
                         for j in cutlass.range_constexpr(4):
-                            o[j] = shared[2 + j, lane, gr]
-                        _merge(state, o, shared[0, lane, gr], shared[1, lane, gr])
+                            o[j] = shared[2 + j, lane, group + k]
+                        _merge(state, o, shared[0, lane, group + k], shared[1, lane, group + k])
                     inv = cutlass.select_(state[1] > 0.0, 1.0 / state[1], Float32(0.0))
                     for j in cutlass.range_constexpr(4):
                         res[j] = (state[2 + j] * inv).to(BFloat16)
                     cute.autovec_copy(res, out[None, out_base + row, col4])
-                cute.arch.sync_threads()  # `shared` is rewritten by the next piece
+                cute.arch.sync_threads()  # `shared` is rewritten by the next round
 
 
 @cute.jit

@@ -1,7 +1,7 @@
 """MLA absorbed decode attention over the paged latent cache, split over the KV length.
 
 Compiled for sm_90a, sm_100a and sm_103a (every plan of `sweep_plans` for sm_90a without
-spills). Evidence (H200): `evidence/h200/mla_decode_test.json`, `mla_decode_bench.json`
+spills). Evidence (`evidence/<card>/`): `mla_decode_test.json`, `mla_decode_bench.json`
 (`bench_mla_decode --sweep` times the `sweep_plans` variants side by side).
 
 Math (K3_MATH.md §3.5 (6); `reference/mla.py::attend_absorbed` is the oracle, read up to its
@@ -62,6 +62,9 @@ each cache row read):
   request at 32K: 128 splits of 4 chunks). The grid is the static bound max(target,
   requests · max_tiles), so one request at 1M tokens gets `target` splits (every SM busy) and
   every length runs; surplus CTAs exit at once.
+- On sm_90a a plan with more than 32 query rows a request (verify) runs `mla_decode_wgmma`'s
+  kernel instead (`DecodePlan.mma`): the same work units, schedule, workspace and combine, its
+  scores and values on wgmma from 64-row query tiles.
 - A request with one split writes ol directly. Otherwise each CTA writes its unnormalized
   FP32 partial (O, max, sum) and a record of what it computed to a workspace, and
   `kernels/mla_combine.py` merges the splits (log-sum-exp weights, fixed order). `launch`
@@ -115,7 +118,8 @@ class DecodePlan:
 
     Compiled: `warps` per CTA, `chunk` tokens per pipeline stage (each warp scores chunk / warps
     tokens, one or two n8 tiles, and owns 512 / warps value columns), `m_tiles` 16-row MMA tiles
-    of query rows per CTA, `stages` chunks in the cp.async ring. Split policy (runtime arguments,
+    of query rows per CTA, `stages` chunks in the cp.async ring, `mma` the kernel ("wgmma":
+    `mla_decode_wgmma`'s, 8 warps × 64 rows × 64-token chunks). Split policy (runtime arguments,
     not compiled): `waves` (work units aimed at = waves · SMs) and `min_chunks` per split."""
 
     heads: int
@@ -127,14 +131,21 @@ class DecodePlan:
     chunk: int = 64  # 32 or 64 tokens per stage
     waves: int = 1
     min_chunks: int = 2
+    mma: str = "sync"  # "sync": this file's kernel (mma.sync); "wgmma": mla_decode_wgmma's (sm_90a)
 
     def __post_init__(self) -> None:
-        if (self.warps not in (4, 8) or self.chunk not in (32, 64) or self.chunk % (8 * self.warps)
-                or not 1 <= self.m_tiles <= 4 or self.m_tiles * self.warp_cols > 256
-                or not 2 <= self.stages <= 8 or self.waves < 1 or self.min_chunks < 1):
-            raise ValueError(f"{self}: need warps 4 or 8, chunk 32 or 64 with 8·warps | chunk, m_tiles 1..4 with "
-                             "m_tiles · 512 / warps <= 256 (64 FP32 accumulators per 16 rows and 128 columns), "
-                             "stages 2..8, waves >= 1, min_chunks >= 1")
+        if self.mma == "wgmma":
+            if (self.warps, self.m_tiles, self.chunk) != (8, 4, 64) or not 2 <= self.stages <= 8:
+                raise ValueError(f"{self}: a wgmma plan has 8 warps (two warpgroups), m_tiles 4 (64 query rows), "
+                                 "chunk 64 (its weights take a stage's 128-byte rope rows), stages 2..8")
+        elif (self.mma != "sync" or self.warps not in (4, 8) or self.chunk not in (32, 64)
+                or self.chunk % (8 * self.warps) or not 1 <= self.m_tiles <= 4 or self.m_tiles * self.warp_cols > 256
+                or not 2 <= self.stages <= 8):
+            raise ValueError(f"{self}: need mma 'sync' or 'wgmma'; warps 4 or 8, chunk 32 or 64 with 8·warps | chunk, "
+                             "m_tiles 1..4 with m_tiles · 512 / warps <= 256 (64 FP32 accumulators per 16 rows and "
+                             "128 columns), stages 2..8")
+        if self.waves < 1 or self.min_chunks < 1:
+            raise ValueError(f"{self}: need waves >= 1, min_chunks >= 1")
 
     @property
     def threads(self) -> int:
@@ -171,7 +182,7 @@ class DecodePlan:
     @property
     def kernel_key(self) -> tuple[int, ...]:
         """What a compile depends on (the split policy is not compiled)."""
-        return (self.heads, self.max_q, self.block_size, self.m_tiles, self.stages, self.warps, self.chunk)
+        return (self.heads, self.max_q, self.block_size, self.m_tiles, self.stages, self.warps, self.chunk, self.mma)
 
     @property
     def smem_ctas(self) -> int:
@@ -180,6 +191,8 @@ class DecodePlan:
 
     @property
     def smem_bytes(self) -> int:
+        if self.mma == "wgmma":  # unpadded swizzled rows, 1 KB aligned; the weights take the rope rows
+            return 2 * (self.tile_rows + self.stages * self.chunk) * ROW + 4 * 2 * self.tile_rows + 1024
         ring = 2 * self.stages * self.chunk * PITCH
         q_tile = 2 * self.tile_rows * PITCH
         weights = 2 * self.tile_rows * self.p_pitch
@@ -187,15 +200,22 @@ class DecodePlan:
         return ring + q_tile + weights + stats + 4 * 128  # alignment slack
 
 
-def choose_plan(heads: int, max_q: int, block_size: int) -> DecodePlan:
+WGMMA_ARCHS = ("sm_90a",)
+
+
+def choose_plan(heads: int, max_q: int, block_size: int, arch: str | None = None) -> DecodePlan:
     """The default. Up to 32 query rows (plain decode at TP8/TP16): 4 warps streaming 64-token
     chunks through a 2-stage ring (150 KB: one 74 KB chunk in flight while the other is
     computed), one CTA of 128 threads per SM, one or two 16-row tiles. More rows (verify):
     8 warps (64 value columns each, so 3 tiles of accumulators fit in registers) and the tiles
     per CTA (1..3; 4 needs more than 227 KB) that cut the rows into the fewest CTA tiles, then
     the least padding (48 rows: one tile; 96: two tiles of 48, so each cache row is read twice,
-    not three times as with 32-row tiles). One wave of work units (`default_target`)."""
+    not three times as with 32-row tiles). One wave of work units (`default_target`).
+    On sm_90a (`arch`), more than 32 rows go to the wgmma kernel (`mla_decode_wgmma`): 64-row
+    tiles, 64-token chunks in 2 stages."""
     rows = heads * max_q
+    if rows > 32 and arch in WGMMA_ARCHS:
+        return DecodePlan(heads, max_q, block_size, m_tiles=4, warps=8, mma="wgmma")
     if rows <= 32:
         return DecodePlan(heads, max_q, block_size, m_tiles=-(-rows // 16), warps=4)
     fits = [m for m in range(1, 5)
@@ -204,9 +224,11 @@ def choose_plan(heads: int, max_q: int, block_size: int) -> DecodePlan:
     return DecodePlan(heads, max_q, block_size, m_tiles=m_tiles, warps=8)
 
 
-def sweep_plans(heads: int, max_q: int, block_size: int) -> list[DecodePlan]:
+def sweep_plans(heads: int, max_q: int, block_size: int, arch: str | None = None) -> list[DecodePlan]:
     """The default plan first, then the variants a benchmark compares with it."""
-    base = choose_plan(heads, max_q, block_size)
+    base = choose_plan(heads, max_q, block_size, arch)
+    if base.mma == "wgmma":  # against the mma.sync kernel's default, and two waves
+        return [base, choose_plan(heads, max_q, block_size), replace(base, waves=2)]
     rows = heads * max_q
     variants = [replace(base, **kw) for kw in (
         {"warps": 4, "chunk": 32, "stages": 4, "m_tiles": min(2, base.m_tiles), "waves": 4,
@@ -366,6 +388,32 @@ def _locate(lens: cute.Tensor, starts: cute.Tensor, unit: Int32, lane: Int32, re
 
 
 @cute.jit
+def _claim(lens_ptr: cute.Pointer, starts_ptr: cute.Pointer, info_ptr: cute.Pointer, unit: Int32, tid: Int32,
+           requests: Int32, rows: Int32, max_blocks: Int32, slots: Int32, target: Int32, min_chunks: Int32,
+           plan: Constexpr):
+    """CTA `unit`'s work unit (`_locate`), its record for the combine written: (request, or
+    `requests` when idle; L; q; the tile's real rows; its first flattened (row, head); tile; the
+    request's splits; the first of the unit's chunks, their count, and where its tokens end)."""
+    lens = cute.make_tensor(lens_ptr, cute.make_layout(requests))
+    starts = cute.make_tensor(starts_ptr, cute.make_layout(requests + 1))
+    req, tile, split, splits, first, tiles, length, row0, q, chunks = _locate(
+        lens, starts, unit, tid % 32, requests, rows, max_blocks * plan.block_size, target, min_chunks, plan)
+    valid_rows = cutlass.min(plan.tile_rows, plan.heads * q - tile * plan.tile_rows)
+    out_base = row0 * plan.heads + tile * plan.tile_rows
+    info = cute.make_tensor(info_ptr, cute.make_layout((slots, INFO), stride=(INFO, 1)))
+    if tid == 0:
+        info[unit, 0] = cutlass.select_(req < requests, req, Int32(-1))
+        info[unit, 1] = split
+        info[unit, 2] = splits
+        info[unit, 3] = first + tile
+        info[unit, 4] = tiles
+        info[unit, 5] = valid_rows
+        info[unit, 6] = out_base
+    c0, c1 = split_range(chunks, splits, split)
+    return req, length, q, valid_rows, out_base, tile, splits, c0, c1 - c0, cutlass.min(c1 * plan.chunk, length)
+
+
+@cute.jit
 def _chunk_rows(phys: cute.Tensor, table: cute.Tensor, chunk_idx: Int32, token_end: Int32, warp: Int32,
                 table_row: Int32, num_blocks: Int32, block_size: Constexpr, chunk: Constexpr, warps: Constexpr):
     """Cache rows (block · block_size + offset) of the warp's chunk / warps tokens w + warps·k of
@@ -378,19 +426,20 @@ def _chunk_rows(phys: cute.Tensor, table: cute.Tensor, chunk_idx: Int32, token_e
 
 
 @cute.jit
-def _issue_chunk(g2s: cute.CopyAtom, cache_base: Int64, phys: cute.Tensor, ring: cute.Tensor, stage: Int32,
-                 warp: Int32, lane: Int32, chunk: Constexpr, warps: Constexpr):
-    """cp.async of the warp's cache rows (72 16-byte vectors each) into ring stage `stage`."""
+def _issue_chunk(g2s: cute.CopyAtom, cache_base: Int64, phys: cute.Tensor, warp: Int32, lane: Int32,
+                 chunk: Constexpr, warps: Constexpr, dst: Constexpr):
+    """cp.async of the warp's cache rows of a chunk (rows warp + warps·k, 72 16-byte vectors
+    each) to dst(row, vector): the stage's 8-element destination, laid out as its kernel reads it."""
     for k in cutlass.range_constexpr(chunk // warps):
         src = cute.make_tensor(
             cute.make_ptr(BFloat16, cache_base + Int64(phys[k]) * (2 * ROW), cute.AddressSpace.gmem,
                           assumed_align=16),
             cute.make_layout((VEC, ROW_VECS), stride=(1, VEC)))
         row = warp + warps * k
-        for v in cutlass.range_constexpr(2):
-            cute.copy(g2s, src[None, lane + 32 * v], ring[None, stage, row, lane + 32 * v])
-        if lane < ROW_VECS - 64:
-            cute.copy(g2s, src[None, lane + 64], ring[None, stage, row, lane + 64])
+        for v in cutlass.range_constexpr(3):
+            vec = lane + 32 * v
+            if v < 2 or lane < ROW_VECS - 64:
+                cute.copy(g2s, src[None, vec], dst(row, vec))
 
 
 @cute.jit
@@ -437,31 +486,10 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
     n_t, warp_cols, p_pitch = plan.n_tiles, plan.warp_cols, plan.p_pitch
     block_size = plan.block_size
 
-    lens = cute.make_tensor(lens_ptr, cute.make_layout(requests))
-    starts = cute.make_tensor(starts_ptr, cute.make_layout(requests + 1))
+    req, length, q, valid_rows, out_base, tile, splits, c0, n_chunks, token_end = _claim(
+        lens_ptr, starts_ptr, info_ptr, unit, tid, requests, rows, max_blocks, slots, target, min_chunks, plan)
     table = cute.make_tensor(table_ptr, cute.make_layout(requests * max_blocks))
-    cap = max_blocks * block_size
-    req, tile, split, splits, first, tiles, length, row0, q, chunks = _locate(
-        lens, starts, unit, lane, requests, rows, cap, target, min_chunks, plan)
-    valid_rows = cutlass.min(tile_rows, heads * q - tile * tile_rows)
-    out_base = row0 * heads + tile * tile_rows  # first flattened (row, head) of the tile
-    has_work = req < requests
-
-    info = cute.make_tensor(info_ptr, cute.make_layout((slots, INFO), stride=(INFO, 1)))
-    if tid == 0:
-        info[unit, 0] = cutlass.select_(has_work, req, Int32(-1))
-        info[unit, 1] = split
-        info[unit, 2] = splits
-        info[unit, 3] = first + tile
-        info[unit, 4] = tiles
-        info[unit, 5] = valid_rows
-        info[unit, 6] = out_base
-
-    if has_work:
-        c0, c1 = split_range(chunks, splits, split)
-        token_end = cutlass.min(c1 * chunk, length)
-        n_chunks = c1 - c0
-
+    if req < requests:
         smem = cutlass.memory.SmemAllocator()
         ring = smem.allocate_tensor(
             BFloat16, cute.make_layout((VEC, stages, chunk, PITCH // VEC),
@@ -500,9 +528,10 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
         for p in cutlass.range_constexpr(stages - 1):
             if p < n_chunks:
                 _chunk_rows(phys, table, c0 + p, token_end, warp, table_row, num_blocks, block_size, chunk, warps)
-                _issue_chunk(g2s, cache_base, phys, ring, Int32(p), warp, lane, chunk, warps)
+                _issue_chunk(g2s, cache_base, phys, warp, lane, chunk, warps,
+                             lambda row, vec, st=Int32(p): ring[None, st, row, vec])
             cute.arch.cp_async_commit_group()  # one group per stage, empty or not: uniform waits
-        _chunk_rows(phys, table, cutlass.min(c0 + stages - 1, c1 - 1), token_end, warp, table_row, num_blocks,
+        _chunk_rows(phys, table, c0 + cutlass.min(stages - 1, n_chunks - 1), token_end, warp, table_row, num_blocks,
                     block_size, chunk, warps)
 
         # per lane: rows 16·mt + 8·v1 + g of each tile; how far each may look (verify rows are causal)
@@ -536,7 +565,8 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
             cute.arch.sync_threads()
             ahead = it + stages - 1
             if ahead < n_chunks:
-                _issue_chunk(g2s, cache_base, phys, ring, ahead % stages, warp, lane, chunk, warps)
+                _issue_chunk(g2s, cache_base, phys, warp, lane, chunk, warps,
+                             lambda row, vec, st=ahead % stages: ring[None, st, row, vec])
                 if ahead + 1 < n_chunks:
                     _chunk_rows(phys, table, c0 + ahead + 1, token_end, warp, table_row, num_blocks, block_size,
                                 chunk, warps)
@@ -674,6 +704,9 @@ def _mla_decode_host(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cu
 def compile_mla_decode(plan: DecodePlan, arch: str, ptx_dir: str | None = None) -> Any:
     """Compile one variant for `arch` ('sm_90a', 'sm_100a', 'sm_103a'); needs no GPU. With `ptx_dir`
     the PTX and cubin are kept (written there, and in the result's `artifacts.PTX` / `.CUBIN`)."""
+    if plan.mma == "wgmma":
+        from .mla_decode_wgmma import compile_mla_decode_wgmma  # it imports this module's helpers
+        return compile_mla_decode_wgmma(plan, arch, ptx_dir)
     bf, i32, f32 = gmem_ptr(BFloat16, 16), gmem_ptr(Int32, 16, 4), gmem_ptr(Float32, 16)
     return cute.compile(_mla_decode_host, bf, bf, i32, i32, i32, bf, f32, f32, i32,
                         Int32(1), Int32(1), Int32(2), Int32(1), Int32(1), Int32(1), Int32(1), Float32(1.0),
@@ -778,7 +811,8 @@ def launch(q_lat: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
     rows, heads, _ = q_lat.shape
     requests, max_blocks = block_table.shape
     num_blocks, block_size, _ = cache.shape
-    plan = plan or choose_plan(heads, max_q, block_size)
+    dev = facts(q_lat.device)
+    plan = plan or choose_plan(heads, max_q, block_size, dev.arch)
     _need(plan.heads == heads and plan.max_q == max_q and plan.block_size == block_size,
           f"{plan} does not match heads={heads}, max_q={max_q}, block_size={block_size}")
     _need(plan.smem_bytes <= SMEM_PER_CTA, f"{plan} needs {plan.smem_bytes} B of shared memory per CTA, "
@@ -787,7 +821,6 @@ def launch(q_lat: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
     _need(positions <= 2 ** 30 and requests * -(-positions // plan.chunk) * plan.max_tiles < 2 ** 31,
           f"block_table covers {positions} positions per request, too many for the int32 schedule; "
           "shorten max_blocks")
-    dev = facts(q_lat.device)
     target = target or default_target(dev.sm_count, plan)
     min_chunks = plan.min_chunks if min_chunks is None else min_chunks
     _need(target >= 1 and min_chunks >= 1, f"target={target} and min_chunks={min_chunks} must be >= 1")

@@ -1,7 +1,7 @@
 """Weighted sum of the routed experts' outputs per decode row (the last step of moe_experts).
 
-Compiled for sm_90a, sm_100a and sm_103a. Evidence (H200), with the router and the experts:
-`evidence/h200/moe_test.json`, `moe_bench.json`.
+Compiled for sm_90a, sm_100a and sm_103a. Evidence (`evidence/<card>/`), with the router and the
+experts: `moe_test.json`, `moe_bench.json`.
 
 Math (`reference/moe.py::_routed_latent`, its last loop): for row r,
 

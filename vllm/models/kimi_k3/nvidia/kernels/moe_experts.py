@@ -1,7 +1,7 @@
 """Routed experts of the latent MoE for decode rows: each selected expert's weights read once.
 
-Compiled for sm_90a, sm_100a and sm_103a. Evidence (H200): `evidence/h200/moe_test.json`,
-`moe_bench.json`.
+Compiled for sm_90a, sm_100a and sm_103a. Evidence (`evidence/<card>/`, one folder a
+card): `moe_test.json`, `moe_bench.json`, `moe_unread_test.json`.
 
 Math (`reference/moe.py::_routed_latent`, K3_MATH.md §3.6), one TP rank, for every pick
 p = r·k + j of row r's j-th selected expert e = ids[r, j]:

@@ -1,7 +1,7 @@
 """MoE router epilogue for decode rows: sigmoid, correction bias, top-k, renormalize, scale.
 
-Compiled for sm_90a, sm_100a and sm_103a. Evidence (H200): `evidence/h200/moe_test.json`,
-`moe_bench.json`.
+Compiled for sm_90a, sm_100a and sm_103a. Evidence (`evidence/<card>/`, one folder a
+card): `moe_test.json`, `moe_bench.json`.
 
 Math (`reference/moe.py::route`, K3_MATH.md §3.6), per row of the fp32 router logits ℓ:
 

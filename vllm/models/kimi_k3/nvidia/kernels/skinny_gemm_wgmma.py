@@ -37,7 +37,7 @@ import cutlass.pipeline as pipeline
 import cutlass.utils.hopper_helpers as sm90
 from cutlass import BFloat16, Constexpr, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
-from cutlass.utils import LayoutEnum
+from cutlass.tensor_utils import LayoutEnum  # cutlass.utils.LayoutEnum is deprecated in 4.8
 
 from .gemm_store import split_workspace, store, sum_splits
 from .rms_norm import gmem_ptr

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -349,6 +350,11 @@ def preset(name: str) -> K3TextConfig:
     p = Path(name)
     if p.exists():
         return K3TextConfig.from_json(p)
+    if "/" in name or os.sep in name or name.endswith(".json"):  # meant as a path, not a preset
+        raise ConfigError(
+            f"config {name!r}: no such file or directory; give the path of an existing config.json "
+            f"(or of its folder), or one of {sorted([*PRESETS, 'tiny'])}"
+        )
     raise ConfigError(
         f"unknown config {name!r}: use one of {sorted([*PRESETS, 'tiny'])} or a path to a config.json"
     )

@@ -196,13 +196,19 @@ class SafetensorsSource(TensorSource):
     """HF safetensors shards (a file, or a directory with *.safetensors), read lazily."""
 
     def __init__(self, path: str | Path):
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
         path = Path(path)
         files = sorted(path.glob("*.safetensors")) if path.is_dir() else [path]
         if not files or not all(f.exists() for f in files):
             raise WeightError(f"{path}: no .safetensors files found")
-        self._handles = [safe_open(str(f), framework="pt") for f in files]
+        self._handles = []
+        for f in files:
+            try:
+                self._handles.append(safe_open(str(f), framework="pt"))
+            except (SafetensorError, OSError) as e:  # a text file, a truncated download, no access
+                raise WeightError(f"{f}: not a readable safetensors file ({e}); give a .safetensors "
+                                  "checkpoint file, or a directory of them (HF shards)") from None
         self._where: dict[str, object] = {}
         for h in self._handles:
             for k in h.keys():

@@ -79,6 +79,13 @@ def test_a_key_given_twice_in_additional_config_is_refused_by_name(capsys):
     assert "--additional-config gives the key 'decode_backend' twice ('auto', then 'latency_specialized')" in err
 
 
+def test_weights_that_are_not_safetensors_are_a_clear_error(capsys, tmp_path):
+    bad = tmp_path / "w.safetensors"
+    bad.write_text("hello\n")
+    assert main(["generate", "--config", "mini", "--weights", str(bad), "--prompt", "x"]) == 2
+    assert f"error: {bad}: not a readable safetensors file" in capsys.readouterr().err
+
+
 def test_a_config_whose_weights_cannot_fit_is_refused_before_any_weight_is_drawn(capsys, monkeypatch):
     """`--config k3` on a CPU drew ~2.8T random parameters until the process ran out of memory."""
     from vllm.models.kimi_k3.nvidia.latency_specialized import cli, weights

@@ -75,6 +75,15 @@ def test_missing_linear_attn_config_and_bad_files(tmp_path):
         preset("k4")
 
 
+@pytest.mark.parametrize("name", ["/tmp/nonexistent-k3/config.json", "missing.json", "configs/k3"])
+def test_a_config_path_that_does_not_exist_says_no_such_file(name):
+    """Not "unknown config ... or a path to a config.json", which reads as if the path form were wrong."""
+    with pytest.raises(ConfigError) as info:
+        preset(name)
+    assert str(info.value).startswith(f"config {name!r}: no such file or directory; give the path of an "
+                                      "existing config.json"), str(info.value)
+
+
 def test_tp_that_does_not_divide_heads_is_refused():
     with pytest.raises(ConfigError, match=r"num_heads = 4 is not divisible by tensor_parallel_size 8"):
         preset("mini").shard(8, 0)

@@ -388,6 +388,27 @@ def test_in_lanes_the_checks_share_a_gpu_the_blocks_take_turns_and_the_timed_run
     _run_script(["sleep 60 > /dev/null 2>&1 &", *checks_only], tmp_path, timeout=30)
 
 
+def test_on_an_80gb_card_kernel_and_depth_tests_take_turns_with_the_blocks(tmp_path, monkeypatch, capsys):
+    """A 12-layer block leaves about 20 GB of an H100: kernel tests ran out of memory beside one on
+    2026-12-06. So with `--card h100` the kernel tests and the depth tests share the blocks' lane
+    and only light checks (an eval) run beside them; on the H200 they run beside the blocks."""
+    _, put = _cards_model(tmp_path)
+    (tmp_path / "m" / "SCOPE.yaml").write_text("model: m\n")
+    for card in ("h100", "h200"):
+        put(card, "executor_long_runs", "0" * 64, kind="parity", wall_s=300.0)
+        put(card, "executor_depth_parity", "0" * 64, kind="parity", wall_s=400.0)
+        put(card, "moe_test", "0" * 64, wall_s=90.0)
+        put(card, "eval_tiny", "0" * 64, kind="eval", wall_s=200.0)
+    monkeypatch.chdir(tmp_path)
+    lanes = {}
+    for card in ("h100", "h200"):
+        assert refresh.main(["--model", "m", "--card", card, "--lanes", "2"]) == 0
+        script = capsys.readouterr().out.splitlines()
+        lanes[card] = sorted(_steps_of(script, "gpu0.lane0")), sorted(_steps_of(script, "gpu0.lane1"))
+    assert lanes["h100"] == (["executor_depth_parity", "executor_long_runs", "moe_test"], ["eval_tiny"])
+    assert lanes["h200"] == (["executor_long_runs"], ["eval_tiny", "executor_depth_parity", "moe_test"])
+
+
 def test_more_gpus_than_steps_leaves_the_rest_idle_and_no_gpus_is_refused(capsys):
     script = refresh.on_gpus(["step a 10 true"], 4)
     assert sum(line.startswith("( export CUDA_VISIBLE_DEVICES=") for line in script) == 1

@@ -36,6 +36,7 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip 
 
 from vllm.models.kimi_k3.nvidia.kernels import mla_combine, mla_decode  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.cubin_resources import kernel_resources  # noqa: E402
+from vllm.models.kimi_k3.nvidia.kernels.device import facts  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.mla_decode import DecodePlan, schedule  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_kernel_test  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._util import rel_err  # noqa: E402
@@ -48,7 +49,7 @@ ROW = R_KV + D_R
 # bf16 weights p in P·V (2^-9 relative each) and the bf16 output rounding: 3e-4 .. 1.9e-3 in
 # the CPU model below (four distributions); the bound leaves room for the GPU's FP32 orders
 REL_ERR_BOUND = 5e-3
-SOURCES = ("vllm/models/kimi_k3/nvidia/kernels/mla_decode.py",
+SOURCES = ("vllm/models/kimi_k3/nvidia/kernels/mla_decode.py", "vllm/models/kimi_k3/nvidia/kernels/mla_decode_wgmma.py",
            "vllm/models/kimi_k3/nvidia/kernels/mla_combine.py",
            "vllm/models/kimi_k3/nvidia/tests/test_mla_decode_kernel.py")
 
@@ -378,6 +379,76 @@ def test_decode_compiles_for_arch(plan, arch, tmp_path):
         assert "0 bytes spill stores" in report, report
 
 
+def test_verify_rows_take_the_wgmma_kernel_on_sm90_only():
+    """More than 32 query rows a request (heads × tokens) run the wgmma kernel on sm_90a; fewer rows,
+    and every other arch, the mma.sync kernel; the wgmma plan fits one CTA an SM."""
+    for heads, max_q, arch, mma in [(6, 8, "sm_90a", "wgmma"), (12, 8, "sm_90a", "wgmma"), (12, 3, "sm_90a", "wgmma"),
+                                    (6, 5, "sm_90a", "sync"), (12, 1, "sm_90a", "sync"), (6, 8, "sm_100a", "sync"),
+                                    (12, 8, "sm_103a", "sync"), (12, 8, None, "sync")]:
+        plan = mla_decode.choose_plan(heads, max_q, 64, arch)
+        assert plan.mma == mma, (heads, max_q, arch, plan)
+        if mma == "wgmma":
+            assert plan.tile_rows == 64 and plan.threads == 256 and plan.smem_bytes <= mla_decode.SMEM_PER_CTA
+    plans = mla_decode.sweep_plans(6, 8, 64, "sm_90a")
+    assert plans[0].mma == "wgmma" and mla_decode.choose_plan(6, 8, 64) in plans  # judged against mma.sync
+    with pytest.raises(ValueError, match="chunk 64"):
+        DecodePlan(heads=6, max_q=8, block_size=64, m_tiles=4, warps=8, chunk=32, mma="wgmma")
+    with pytest.raises(ValueError, match="'sync' or 'wgmma'"):
+        DecodePlan(heads=6, max_q=8, block_size=64, mma="tcgen05")
+
+
+def test_wgmma_smem_layouts_agree():
+    """The wgmma kernel's hand-computed cp.async offsets are the swizzled layouts wgmma reads, and
+    P·V's MN-major value view of a stage places every element where the K-major key view does."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from vllm.models.kimi_k3.nvidia.kernels import mla_decode_wgmma as W
+    seen: dict = {"swizzles": [], "q": [], "k": [], "v": [], "p": []}
+    rows, vecs = range(0, 64, 3), range(72)
+
+    @cute.jit
+    def probe():  # static layouts at static coordinates: plain ints, read at trace time
+        q, k, v, p = W.smem_layouts(64)
+        seen["swizzles"] += [str(lay.inner) for lay in (q, k, v, p)]
+        for row in cutlass.range_constexpr(0, 64, 3):
+            for vec in cutlass.range_constexpr(72):
+                seen["q"].append(q.outer((row, 8 * vec)))
+                seen["k"].append(k.outer((row, 8 * vec + row % 8)))
+                if cutlass.const_expr(vec < 32):
+                    seen["v"].append(v.outer((8 * vec + row % 8, row)))
+                if cutlass.const_expr(vec < 8):
+                    seen["p"].append(p.outer((row, 8 * vec)))
+
+    cute.compile(probe)
+    assert seen["swizzles"] == ["S<3,4,3>"] * 4  # 128-byte swizzle; x below is in bf16 elements
+
+    def sw128(x: int) -> int:
+        return x ^ (((x >> 6) & 7) << 3)
+
+    pairs = [(r, v) for r in rows for v in vecs]
+    assert [sw128(x) for x in seen["q"]] == [W.swizzled(r, v, 64) for r, v in pairs]
+    assert [sw128(x) - r % 8 for x, (r, v) in zip(seen["k"], pairs)] == [W.swizzled(r, v, 64) for r, v in pairs]
+    assert seen["v"] == [x for x, (r, v) in zip(seen["k"], pairs) if v < 32]
+    assert seen["p"] == [r * W.BLOCK + 8 * v for r, v in pairs if v < 8]
+
+
+def test_wgmma_decode_compiles_for_sm90a_only(tmp_path):
+    plan = mla_decode.choose_plan(12, 8, 64, "sm_90a")
+    compiled = mla_decode.compile_mla_decode(plan, "sm_90a", ptx_dir=str(tmp_path))
+    ptx = compiled.artifacts.PTX
+    # per chunk and warpgroup: 36 k16 steps of scores over its 32 tokens, 4 of P·V over its 256 columns
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n32k16\.f32\.bf16\.bf16", ptx)) == 36
+    assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16", ptx)) == 4
+    assert "cp.async.cg.shared.global" in ptx and ", 16, 16;" in ptx
+    assert "fence.proxy.async.shared::cta" in ptx  # cp.async's writes handed to wgmma's proxy
+    assert not re.search(r"\b(ld|st)\.local", ptx), "registers spilled to local memory"
+    used = kernel_resources(compiled.artifacts.CUBIN)
+    assert used.frame_bytes == 0 and used.ctas_per_sm(plan.threads) >= 1, used
+    with pytest.raises(ValueError, match="sm_90a"):
+        mla_decode.compile_mla_decode(plan, "sm_100a")
+
+
 @pytest.mark.parametrize("max_q", [1, 8])
 def test_every_sweep_plan_compiles_and_fits_its_residency(max_q, tmp_path):
     """Every variant `bench_mla_decode --sweep` times compiles for sm_90a with nothing in local
@@ -390,6 +461,23 @@ def test_every_sweep_plan_compiles_and_fits_its_residency(max_q, tmp_path):
         used = kernel_resources(compiled.artifacts.CUBIN)
         assert used.frame_bytes == 0, (plan, used)
         assert used.ctas_per_sm(plan.threads) >= plan.smem_ctas, (plan, used)
+
+
+def test_combine_teams_take_every_piece_and_every_split_once():
+    """The combine's partition, run on the host: over the units of a tile (one per split), their
+    teams and rounds, every piece of the tile once; within a team, every split once."""
+    G, U, C = mla_combine.GROUPS, mla_combine.UNROLL, mla_combine.COL_BLOCKS
+    for splits in range(2, 2 * G * U + 3):
+        p = mla_combine.team_warps(splits, min)
+        assert p == min(G, 1 << max(0, (splits - 1) // U).bit_length()), splits  # least 2^k with 2^k·U >= splits
+        teams = G // p
+        for rows in (1, 5, 16, 48):
+            pieces = rows * C
+            taken = [mla_combine.round_piece(base, splits, t) for s in range(splits)
+                     for base in range(s, pieces, splits * teams) for t in range(teams)]
+            assert sorted(x for x in taken if x < pieces) == list(range(pieces)), (splits, rows)
+        merged = [s0 + u for m in range(p) for s0 in range(U * m, splits, U * p) for u in range(U)]
+        assert sorted(x for x in merged if x < splits) == list(range(splits)), splits
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
@@ -515,7 +603,7 @@ def test_every_sweep_plan_matches_reference(heads, q, lengths, evidence):
     """Each variant the benchmark may time or pick, with its own split policy (waves, minimum
     chunks per split), computes what the default does."""
     failures = []
-    for plan in mla_decode.sweep_plans(heads, q, 64):
+    for plan in mla_decode.sweep_plans(heads, q, 64, facts(torch.device("cuda")).arch):
         b = Batch(lengths, [q] * len(lengths), heads, 64, "normal", 31 + heads + q, "cuda")
         failures += _run_case(f"sweep h={heads} q={q} {plan}", b, evidence, plan=plan)
     assert not failures, "; ".join(failures)

@@ -32,7 +32,7 @@ SOURCES = [f"vllm/models/kimi_k3/nvidia/{f}" for f in (
     "latency_specialized/vllm_executor.py", "latency_specialized/vllm_pools.py", "latency_specialized/vllm_step.py",
     "latency_specialized/executor.py", "latency_specialized/lanes.py", "latency_specialized/decode_ops.py",
     "reference/state.py",
-    "kernels/kda_decode.py", "kernels/mla_decode.py", "kernels/mla_cache_write.py")]
+    "kernels/kda_decode.py", "kernels/mla_decode.py", "kernels/mla_decode_wgmma.py", "kernels/mla_cache_write.py")]
 
 
 record = parity_record("vllm_binding_parity.json", "vllm-binding",

@@ -1,5 +1,7 @@
 """Checkpoint loading: real names, safetensors round trip, TP slicing, clear errors."""
 
+import re
+
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
@@ -103,6 +105,17 @@ def test_multimodal_name_form_and_legacy_shapes_are_accepted(ckpt, tmp_path):
 def test_no_safetensors_is_a_clear_error(tmp_path):
     with pytest.raises(WeightError, match="no .safetensors files found"):
         SafetensorsSource(tmp_path)
+
+
+@pytest.mark.parametrize("content", [b"not a checkpoint\n", b"", b"\x08\x00\x00\x00\x00\x00\x00\x00{}"])
+def test_a_file_that_is_not_safetensors_is_a_weight_error_naming_it(tmp_path, content):
+    """A text file, an empty file or a truncated one: safetensors' own error would reach the operator
+    as a traceback."""
+    bad = tmp_path / "w.safetensors"
+    bad.write_bytes(content)
+    for given in (bad, tmp_path):  # the file itself, or the directory holding it
+        with pytest.raises(WeightError, match=re.escape(f"{bad}: not a readable safetensors file") + ".*a directory of them"):
+            SafetensorsSource(given)
 
 
 def test_expected_shapes_cover_the_k3_checkpoint():
