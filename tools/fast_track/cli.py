@@ -24,13 +24,14 @@ from pathlib import Path
 
 from .compare import compare, load, render as render_comparison
 from .coverage_record import write_coverage_record
+from .evidence import EvidenceSet
 from .evidence_report import render
 from .gitrepo import GitError, repo_root
 from .model import ModelError, discover
 from .report import render_report
 from .review import run_review
 from .sanitizer_record import DEFAULT_TOOLS, record_sanitizer
-from .stale import render as render_stale, stale_records
+from .stale import render as render_stale, stale_records, text_only_records
 from .tests_record import KINDS, record_tests
 
 
@@ -136,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         model = _one_model(root, args.model)
         if args.command == "stale":
-            found, unreadable = stale_records(model)
-            sys.stdout.write(render_stale(found, unreadable))
+            evidence = EvidenceSet.load(model)
+            found, unreadable = stale_records(model, evidence)
+            sys.stdout.write(render_stale(found, unreadable, text_only_records(evidence)))
             return 1 if found or unreadable else 0
         out = args.out.resolve()
         if args.command == "render-evidence":

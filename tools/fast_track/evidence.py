@@ -26,6 +26,17 @@ facts`), transitively: records list the kernel files, while the device facts, th
 and the split-K store they import are part of what ran. Such an import that changed since the
 record's `commit` stales the record and is named. Where git cannot tell (the commit is not in a
 shallow clone), only the listed sources are judged.
+
+A change of text that is no change of code leaves a record fresh. Git shows the sources as they
+stood at the record's `commit`; where those bytes hash to the record's `source_hash`, they are
+exactly what was measured, and each is compared with today's file by `code_form`: a Python file's
+syntax tree less its docstrings, so comments, docstrings, blank lines and layout do not count,
+while every statement, name and other string does; any other file by its bytes. Such a record is
+fresh and names the files whose text alone changed (`Freshness.text_only`, which `fast-track
+stale` lists); a stale one names only the files whose code changed. Where git cannot show the
+measured bytes, or they do not hash to `source_hash` (a record of code never committed), any
+change of text stales the record, as above; so does it for a record that holds line numbers (GPU
+line coverage, `coverage`), which a moved line would make wrong.
 """
 
 from __future__ import annotations
@@ -38,22 +49,44 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-from .gitrepo import changed_since
+from .gitrepo import changed_since, files_at
 from .items import Finding
 from .model import ModelFolder
 
 
 def source_hash(root: Path, sources: list[str]) -> str:
+    return hash_of({rel: (root / rel).read_bytes() for rel in sources})
+
+
+def hash_of(files: dict[str, bytes]) -> str:
+    """`source_hash` of bytes in hand (path -> bytes: today's files, or as they stood at a commit)."""
     digest = hashlib.sha256()
-    for rel in sorted(sources):
-        digest.update(rel.encode() + b"\0")
-        digest.update((root / rel).read_bytes())
-        digest.update(b"\0")
+    for rel in sorted(files):
+        digest.update(rel.encode() + b"\0" + files[rel] + b"\0")
     return digest.hexdigest()
 
 
 def file_hash(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def code_form(rel: str, data: bytes) -> bytes:
+    """What a source contributes to its code's identity: a `.py` file's syntax tree less the
+    docstrings of its module, classes and functions (comments and layout never reach the tree, and
+    `ast.dump` leaves line numbers out); any other file, or Python that does not parse, its bytes."""
+    if not rel.endswith(".py"):
+        return data
+    try:
+        tree = ast.parse(data)
+    except (SyntaxError, ValueError):
+        return data
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and node.body:
+            first = node.body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant) \
+                    and isinstance(first.value.value, str):
+                node.body = node.body[1:]
+    return ast.dump(tree).encode()
 
 
 def py_files_under(root: Path, folder: str) -> list[str]:
@@ -96,6 +129,7 @@ class Freshness:
     fresh: bool
     reason: str = ""  # why not fresh, one line
     changed: tuple[str, ...] = ()  # sources known (or, see reason, suspected) to differ
+    text_only: tuple[str, ...] = ()  # of a fresh record: files whose text, not code, changed since the run
 
 
 @dataclass
@@ -176,13 +210,34 @@ def _freshness(root: Path, record: Record) -> Freshness:
     missing = [s for s in sources if not (root / s).is_file()]
     if missing:
         return Freshness(False, "stale: sources no longer exist", tuple(missing))
-    if source_hash(root, sources) == recorded:
-        imported = kernel_imports(root, sources)
-        changed = changed_since(root, str(record.data.get("commit", "")), imported) if imported else None
+    commit = str(record.data.get("commit", ""))
+    by_code = "coverage" not in record.data  # line numbers hold only for the text they were taken on
+    text_only: list[str] = []
+    if source_hash(root, sources) != recorded:
+        measured = files_at(root, commit, sources) if by_code else None
+        if measured is None or hash_of(measured) != recorded:
+            return _stale_text(root, record)
+        changed = [s for s in sources if code_form(s, measured[s]) != code_form(s, (root / s).read_bytes())]
         if changed:
-            return Freshness(False, f"stale: files its kernels import changed since commit "
-                                    f"{str(record.data['commit'])[:12]}", tuple(changed))
-        return Freshness(True)
+            return Freshness(False, f"stale: sources changed since commit {commit[:12]}",
+                             tuple(changed))
+        text_only = [s for s in sources if measured[s] != (root / s).read_bytes()]
+    imported = kernel_imports(root, sources)
+    changed = changed_since(root, commit, imported) if imported else None
+    if changed:
+        then = (files_at(root, commit, changed) if by_code else None) or {}
+        code = [f for f in changed if f not in then or not (root / f).is_file()
+                or code_form(f, then[f]) != code_form(f, (root / f).read_bytes())]
+        if code:
+            return Freshness(False, f"stale: files its kernels import changed since commit {commit[:12]}",
+                             tuple(code))
+        text_only += changed
+    return Freshness(True, text_only=tuple(sorted(text_only)))
+
+
+def _stale_text(root: Path, record: Record) -> Freshness:
+    """A record whose sources' text changed, when git cannot show what it measured: which changed."""
+    sources = record.sources
     per_file = record.data.get("source_hashes")
     if isinstance(per_file, dict):
         changed = [s for s in sources if per_file.get(s) != file_hash(root / s)]

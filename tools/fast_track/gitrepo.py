@@ -44,6 +44,30 @@ def commit_of(root: Path, ref: str) -> str | None:
     return out or None
 
 
+def files_at(root: Path, commit: str, paths: list[str]) -> dict[str, bytes] | None:
+    """Each of `paths` as its bytes stood at `commit`; None when git cannot show one of them (no
+    such commit, as in a shallow clone, or a path the commit did not hold)."""
+    if not paths or not commit or commit_of(root, commit) is None:
+        return None
+    query = "".join(f"{commit}:{p}\n" for p in paths).encode()
+    try:
+        out = subprocess.run(["git", "-C", str(root), "cat-file", "--batch"], input=query,
+                             capture_output=True, timeout=60).stdout
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return None
+    found: dict[str, bytes] = {}
+    at = 0
+    for path in paths:  # each answer: "<sha> blob <size>\n<bytes>\n", or "<name> missing\n"
+        end = out.find(b"\n", at)
+        header = out[at:end].split()
+        if end < 0 or len(header) != 3 or header[1] != b"blob":
+            return None
+        size = int(header[2])
+        found[path] = out[end + 1:end + 1 + size]
+        at = end + 1 + size + 1
+    return found
+
+
 def _empty_tree(root: Path) -> str:
     return git(root, "hash-object", "-t", "tree", "/dev/null").strip()
 

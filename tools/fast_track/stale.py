@@ -8,7 +8,9 @@ committing the records again, and how long their last runs took (the device time
 for; per evidence folder too when there are several, since each card's records are made on
 that card). Files under evidence/ that hold no readable record (not JSON, not an object, no
 `kind`) are listed first: nothing in them can be judged fresh, so they are never passed
-over. Exit 0 when every file is a record and every record is fresh, 1 otherwise.
+over. Last, the fresh records whose sources changed in text but not in code (comments, docstrings,
+layout: evidence.py), each with those files, so an edit that kept a record fresh is still seen.
+Exit 0 when every file is a record and every record is fresh, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from .items import Finding
 from .model import ModelFolder
 
 
-def stale_records(model: ModelFolder) -> tuple[list[tuple[Record, str]], list[Finding]]:
+def stale_records(model: ModelFolder, evidence: EvidenceSet | None = None
+                  ) -> tuple[list[tuple[Record, str]], list[Finding]]:
     """(record, why) for every record of the model folder that is not fresh, and the evidence
     files that hold no readable record (they cannot be fresh either)."""
-    evidence = EvidenceSet.load(model)
+    evidence = evidence or EvidenceSet.load(model)
     found = []
     for record in evidence.records:
         state = evidence.freshness(record)
@@ -31,6 +34,12 @@ def stale_records(model: ModelFolder) -> tuple[list[tuple[Record, str]], list[Fi
             changed = f" ({', '.join(state.changed)})" if state.changed else ""
             found.append((record, state.reason + changed))
     return found, list(evidence.problems)
+
+
+def text_only_records(evidence: EvidenceSet) -> list[tuple[Record, tuple[str, ...]]]:
+    """(record, files) for every fresh record whose sources changed since its run in text only."""
+    return [(r, evidence.freshness(r).text_only) for r in evidence.records
+            if evidence.freshness(r).fresh and evidence.freshness(r).text_only]
 
 
 def refresh_commands(stale: list[tuple[Record, str]]) -> list[str]:
@@ -62,14 +71,21 @@ def by_folder(stale: list[tuple[Record, str]]) -> dict[str, list[tuple[Record, s
     return dict(sorted(groups.items()))
 
 
-def render(stale: list[tuple[Record, str]], problems: list[Finding] | None = None) -> str:
+def render(stale: list[tuple[Record, str]], problems: list[Finding] | None = None,
+           text_only: list[tuple[Record, tuple[str, ...]]] | None = None) -> str:
     lines = []
     if problems:
         files = len({p.path for p in problems})
         lines += [f"{files} evidence file(s) hold no readable record (fix or remove them):"]
         lines += [f"  {p.path}: {p.message}" for p in problems]
+    tail = []
+    if text_only:
+        tail = [f"{len(text_only)} fresh record(s) whose sources changed in text only (comments, "
+                "docstrings, layout), not in code:"]
+        tail += [f"  {r.label}: {', '.join(files)}" for r, files in text_only]
     if not stale:
-        return "\n".join(lines + [f"every {'readable ' if problems else ''}evidence record is fresh"]) + "\n"
+        lines.append(f"every {'readable ' if problems else ''}evidence record is fresh")
+        return "\n".join(lines + tail) + "\n"
     lines += [f"{len(stale)} stale record(s):"] + [f"  {r.label}: {why}" for r, why in stale]
     commands = refresh_commands(stale)
     lines += [f"{len(commands)} command(s) refresh them:"] + [f"  {c}" for c in commands]
@@ -84,4 +100,4 @@ def render(stale: list[tuple[Record, str]], problems: list[Finding] | None = Non
     without = [r.label for r, _ in stale if not r.command.strip()]
     if without:
         lines.append(f"no command recorded for: {', '.join(without)}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + tail) + "\n"

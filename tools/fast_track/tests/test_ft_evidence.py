@@ -3,15 +3,16 @@
 import hashlib
 import json
 
+from ..cli import main
+from ..evidence import code_form
 from ..items import FAIL, PASS
-from .conftest import KERNEL, MODEL, review_items, sha256_of_sources
+from .conftest import KERNEL, MODEL, edit_code, review_items, sha256_of_sources
 
 PARITY = f"{MODEL}/evidence/h200/parity.json"
 
 
 def _edit_kernel(repo):
-    path = repo.root / KERNEL
-    path.write_text(path.read_text() + "\n# a later edit\n")
+    edit_code(repo.root / KERNEL)
 
 
 def _load(repo, rel):
@@ -167,3 +168,74 @@ def test_a_changed_import_of_a_kernel_stales_its_records(repo):
     assert stale and "files its kernels import changed" in stale[0].message
     changed = [f.path for f in item.findings if f.message.startswith("changed since")]
     assert changed == [f"{MODEL}/kernels/rows.py"]
+
+
+def test_comments_docstrings_and_layout_keep_the_record_fresh_and_are_listed(repo, monkeypatch, capsys):
+    """The bytes at the record's commit hash to its source_hash, so they are what ran; today's file
+    has the same syntax tree less docstrings, so the same code runs: fresh, and `stale` says which
+    files changed in text."""
+    kernel = repo.root / KERNEL
+    kernel.write_text(kernel.read_text()
+                      .replace('"""Adds two vectors;', '"""Adds two vectors (see MEASURED.md);')
+                      .replace("# the last CTA", "# why: the last CTA")
+                      .replace("def launch(x, y, counter):\n", "def launch(x, y, counter):\n"
+                               '    """One launch."""\n\n')
+                      + "\n\n# a later note\n")
+    assert review_items(repo.root)["evidence-fresh"].status == PASS
+    monkeypatch.chdir(repo.root)
+    main(["stale"])
+    out = capsys.readouterr().out
+    assert "fresh record(s) whose sources changed in text only" in out and f"  {PARITY}: {KERNEL}\n" in out
+    # only the coverage record goes stale: its line numbers are of the text (test_ft_kernels.py)
+    stale = [line.split(":")[0].strip() for line in out.splitlines() if ": stale" in line]
+    assert stale == [f"{MODEL}/evidence/h200/coverage.json"]
+
+
+def test_a_changed_string_or_statement_is_code_and_stales_naming_only_that_file(repo):
+    kernel = repo.root / KERNEL
+    kernel.write_text(kernel.read_text().replace("return x + y, arrived", "return x + y, 'arrived'"))
+    options = repo.root / f"{MODEL}/options.py"
+    options.write_text(options.read_text() + "# a comment: no change of code\n")
+    item = review_items(repo.root)["evidence-fresh"]
+    assert item.status == FAIL
+    assert [f.path for f in item.findings if f.message.startswith("changed since")] == [KERNEL]
+
+
+def test_without_the_measured_bytes_in_git_a_comment_stales(repo):
+    """A record whose commit git does not hold (or whose bytes there do not hash to its
+    source_hash) cannot show that only text changed."""
+    record = _load(repo, PARITY)
+    record["commit"] = "0" * 40
+    _store(repo, PARITY, record)
+    assert review_items(repo.root)["evidence-fresh"].status == PASS
+    kernel = repo.root / KERNEL
+    kernel.write_text(kernel.read_text() + "# a comment\n")
+    item = review_items(repo.root)["evidence-fresh"]
+    assert item.status == FAIL and "every source is a candidate" in item.findings[0].message
+
+
+def test_a_kernel_import_changed_in_comments_alone_keeps_the_record_fresh(repo):
+    kernel = repo.root / KERNEL
+    kernel.write_text(kernel.read_text() + "\nfrom .rows import ROWS  # noqa: E402\n")
+    repo.commit("the kernel takes its rows from the shared helper")
+    record = _load(repo, PARITY)
+    record.update(commit=repo.git("rev-parse", "HEAD"),
+                  source_hash=sha256_of_sources(repo.root, record["sources"]))
+    _store(repo, PARITY, record)
+    repo.render_report()
+    repo.commit("parity made again")
+    helper = repo.root / f"{MODEL}/kernels/rows.py"
+    helper.write_text(helper.read_text().replace('"""Shapes', '"""The shapes') + "# (1, 2, 4): K3's rows\n")
+    assert review_items(repo.root)["evidence-fresh"].status == PASS
+
+
+def test_code_form_drops_docstrings_comments_and_layout_and_keeps_everything_else():
+    base = (b'"""Doc."""\nimport a\n\n\nclass C:\n    """Doc."""\n    x = "s"\n\n\n'
+            b'def f():\n    """Doc."""\n    return 1\n')
+    same = b'"""Other doc."""\nimport a  # why\nclass C:\n    x = "s"\n# note\ndef f():\n    return 1\n'
+    assert code_form("m.py", base) == code_form("m.py", same)
+    for changed in (base.replace(b'"s"', b'"t"'), base.replace(b"return 1", b"return 2"),
+                    base + b'"a string after code is code"\n'):
+        assert code_form("m.py", changed) != code_form("m.py", base)
+    assert code_form("w.safetensors", b"# x") == b"# x"  # not Python: its bytes
+    assert code_form("bad.py", b"def (:") == b"def (:"  # does not parse: its bytes

@@ -7,7 +7,7 @@ from ..cli import main
 from ..features import find_test
 from ..items import FAIL, PASS
 from ..model import ModelFolder
-from .conftest import FEATURE_TEST, KERNEL, MODEL, review_items
+from .conftest import FEATURE_TEST, KERNEL, MODEL, edit_code, review_items
 
 PARITY = f"{MODEL}/evidence/h200/parity.json"
 
@@ -51,8 +51,7 @@ def test_parametrized_results_all_must_pass(repo):
 
 
 def test_a_pass_in_stale_evidence_does_not_count(repo):
-    path = repo.root / KERNEL
-    path.write_text(path.read_text() + "\n")
+    edit_code(repo.root / KERNEL)
     assert "passed only in stale evidence" in _features(repo).findings[0].message
 
 

@@ -3,7 +3,7 @@
 import json
 
 from ..items import FAIL, PASS
-from .conftest import KERNEL, MODEL, review_items
+from .conftest import KERNEL, MODEL, edit_code, review_items
 
 EVAL = f"{MODEL}/evidence/h200/eval.json"
 BENCH = f"{MODEL}/evidence/h200/decode.json"
@@ -51,8 +51,7 @@ def test_a_benchmark_needs_its_command_but_may_miss_a_target(repo):
 
 def test_an_edited_source_makes_evals_and_benchmarks_stale(repo):
     """Both records hash the kernel: editing it fails both items, naming the record and the kernel."""
-    path = repo.root / KERNEL
-    path.write_text(path.read_text() + "\n# a later edit\n")
+    edit_code(repo.root / KERNEL)
     items = review_items(repo.root)
     for key, rel in (("evals", EVAL), ("benchmarks", BENCH)):
         item = items[key]

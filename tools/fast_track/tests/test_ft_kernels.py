@@ -5,7 +5,7 @@ import os
 
 from ..cli import main
 from ..items import FAIL, PASS
-from .conftest import GPU_TEST, GPU_TEST_SRC, KERNEL, MODEL, review_items
+from .conftest import GPU_TEST, GPU_TEST_SRC, KERNEL, MODEL, edit_code, review_items
 
 COVERAGE = f"{MODEL}/evidence/h200/coverage.json"
 
@@ -60,8 +60,7 @@ def test_coverage_missing_stale_or_empty_fails(repo):
     assert item.status == FAIL
     assert any("no evidence record carries GPU line coverage" in f.message for f in item.findings)
     repo.git("checkout", "--", COVERAGE)
-    path = repo.root / KERNEL
-    path.write_text(path.read_text() + "\n")  # the coverage record goes stale
+    edit_code(repo.root / KERNEL)  # the coverage record goes stale
     item = review_items(repo.root)["kernel-tests"]
     assert any("coverage only in stale evidence" in f.message for f in item.findings)
 
@@ -106,8 +105,7 @@ def test_the_test_that_ran_is_a_source_of_the_coverage_record(repo, capsys):
     repo.git("add", "-A")
     repo.git("commit", "-qm", "coverage")
     assert "stale" not in review_items(repo.root)["kernel-tests"].summary
-    path = repo.root / GPU_TEST
-    path.write_text(path.read_text() + "\n")
+    edit_code(repo.root / GPU_TEST)
     item = review_items(repo.root)["kernel-tests"]
     assert any("coverage only in stale evidence" in f.message for f in item.findings)
 
@@ -133,3 +131,11 @@ def test_malformed_executed_lines_is_a_finding_not_a_traceback(repo):
     assert item.status == FAIL
     found = [f for f in item.findings if f.path == COVERAGE]
     assert found and f"`coverage.files[{KERNEL}].executed_lines` is a number" in found[0].message
+
+
+def test_a_comment_in_a_covered_kernel_stales_its_coverage(repo):
+    """Coverage holds line numbers, which a moved line makes wrong: judged by text, not by code."""
+    path = repo.root / KERNEL
+    path.write_text("# a new first line\n" + path.read_text())
+    item = review_items(repo.root)["kernel-tests"]
+    assert any("coverage only in stale evidence" in f.message for f in item.findings)

@@ -6,7 +6,7 @@ import os
 from ..cli import main
 from ..items import FAIL, PASS
 from ..sanitizer import sync_sites
-from .conftest import KERNEL, MODEL, review_items
+from .conftest import KERNEL, MODEL, edit_code, review_items
 
 SANITIZER = f"{MODEL}/evidence/h200/sanitizer.json"
 
@@ -38,8 +38,7 @@ def test_a_failing_or_stale_sanitizer_record_fails(repo):
     item = review_items(repo.root)["sanitizer"]
     assert item.status == FAIL and "fail: racecheck" in item.findings[0].message
     repo.git("checkout", "--", SANITIZER)
-    path = repo.root / KERNEL
-    path.write_text(path.read_text() + "\n")
+    edit_code(repo.root / KERNEL)
     assert "stale" in review_items(repo.root)["sanitizer"].findings[0].message
 
 

@@ -3,7 +3,7 @@
 import json
 
 from ..cli import main
-from .conftest import KERNEL, MODEL
+from .conftest import KERNEL, MODEL, edit_code
 
 PARITY = f"{MODEL}/evidence/h200/parity.json"
 
@@ -12,8 +12,7 @@ def test_fresh_then_stale_with_the_command_that_refreshes_it(repo, monkeypatch, 
     monkeypatch.chdir(repo.root)
     assert main(["stale"]) == 0
     assert capsys.readouterr().out == "every evidence record is fresh\n"
-    path = repo.root / KERNEL
-    path.write_text(path.read_text() + "\n# a later edit\n")
+    edit_code(repo.root / KERNEL)
     assert main(["stale"]) == 1
     out = capsys.readouterr().out
     command = json.loads((repo.root / PARITY).read_text())["command"]
@@ -25,8 +24,7 @@ def test_the_refresh_time_counts_a_shared_command_once_and_says_what_is_unknown(
     monkeypatch.chdir(repo.root)
     record = json.loads((repo.root / PARITY).read_text())
     (repo.root / PARITY).write_text(json.dumps({**record, "wall_s": 42.4}))
-    path = repo.root / KERNEL
-    path.write_text(path.read_text() + "\n# a later edit\n")
+    edit_code(repo.root / KERNEL)
     assert main(["stale"]) == 1
     lines = capsys.readouterr().out.splitlines()
     stale = int(lines[0].split()[0])
@@ -41,8 +39,7 @@ def test_the_refresh_time_is_split_by_the_folder_of_each_card(repo, monkeypatch,
     record = json.loads((repo.root / PARITY).read_text())
     (repo.root / PARITY).write_text(json.dumps({**record, "wall_s": 30.0}))
     repo.write(f"{MODEL}/evidence/h100/parity.json", json.dumps({**record, "wall_s": 12.0}))
-    path = repo.root / KERNEL
-    path.write_text(path.read_text() + "\n# a later edit\n")
+    edit_code(repo.root / KERNEL)
     assert main(["stale"]) == 1
     out = capsys.readouterr().out
     (line,) = [x for x in out.splitlines() if x.startswith("by folder: ")]
