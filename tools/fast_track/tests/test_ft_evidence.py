@@ -148,8 +148,8 @@ def test_a_file_added_to_a_source_folder_makes_the_record_stale(repo):
         f"{folder}/nested/mul.py"]
 
 
-def test_a_changed_import_of_a_kernel_stales_its_records(repo):
-    """A record lists the kernel file; the helper it imports from its own folder is measured too."""
+def _kernel_imports_rows(repo):
+    """The kernel imports the helper rows.py from its folder; parity made again and committed."""
     kernel = repo.root / KERNEL
     kernel.write_text(kernel.read_text() + "\nfrom .rows import ROWS  # noqa: E402\n")
     repo.commit("the kernel takes its rows from the shared helper")
@@ -159,8 +159,13 @@ def test_a_changed_import_of_a_kernel_stales_its_records(repo):
     _store(repo, PARITY, record)
     repo.render_report()
     repo.commit("parity made again")
+    return repo.root / f"{MODEL}/kernels/rows.py"
+
+
+def test_a_changed_import_of_a_kernel_stales_its_records(repo):
+    """A record lists the kernel file; the helper it imports from its own folder is measured too."""
+    helper = _kernel_imports_rows(repo)
     assert review_items(repo.root)["evidence-fresh"].status == PASS
-    helper = repo.root / f"{MODEL}/kernels/rows.py"
     helper.write_text(helper.read_text() + "ROWS = (1, 2)\n")
     item = review_items(repo.root)["evidence-fresh"]
     assert item.status == FAIL
@@ -215,16 +220,7 @@ def test_without_the_measured_bytes_in_git_a_comment_stales(repo):
 
 
 def test_a_kernel_import_changed_in_comments_alone_keeps_the_record_fresh(repo):
-    kernel = repo.root / KERNEL
-    kernel.write_text(kernel.read_text() + "\nfrom .rows import ROWS  # noqa: E402\n")
-    repo.commit("the kernel takes its rows from the shared helper")
-    record = _load(repo, PARITY)
-    record.update(commit=repo.git("rev-parse", "HEAD"),
-                  source_hash=sha256_of_sources(repo.root, record["sources"]))
-    _store(repo, PARITY, record)
-    repo.render_report()
-    repo.commit("parity made again")
-    helper = repo.root / f"{MODEL}/kernels/rows.py"
+    helper = _kernel_imports_rows(repo)
     helper.write_text(helper.read_text().replace('"""Shapes', '"""The shapes') + "# (1, 2, 4): K3's rows\n")
     assert review_items(repo.root)["evidence-fresh"].status == PASS
 
