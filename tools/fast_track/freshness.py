@@ -2,7 +2,8 @@
 
 For each envelope with `status: validated`, each file in its `evidence` list (relative
 to SCOPE.yaml's folder) must exist and hold records that are fresh (their recorded
-source hash equals the hash of today's sources; see evidence.py), were run on the
+source hash equals the hash of today's sources, or only comments, docstrings or layout
+changed since; see evidence.py), were run on the
 envelope's GPU (its name a word of the record's `gpu`, and the same compute capability)
 and have no failing result. A scope with no validated envelope passes vacuously, and the
 summary says so: `declared` envelopes claim nothing yet. A JSON file under evidence/ that
@@ -19,7 +20,8 @@ from .evidence import EvidenceSet, Record, stale_findings
 from .items import FAIL, PASS, Finding, ItemResult
 from .model import ModelFolder
 
-TITLE = "Every envelope marked validated has evidence whose source hash matches the current sources"
+TITLE = ("Every envelope marked validated has evidence of the current code (its source hash matches, "
+         "or only comments, docstrings or layout changed)")
 
 
 def _gpu_mismatch(record: Record, gpu: Any) -> str | None:
