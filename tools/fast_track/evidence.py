@@ -213,15 +213,16 @@ def _freshness(root: Path, record: Record) -> Freshness:
     commit = str(record.data.get("commit", ""))
     by_code = "coverage" not in record.data  # line numbers hold only for the text they were taken on
     text_only: list[str] = []
-    if source_hash(root, sources) != recorded:
+    today = {s: (root / s).read_bytes() for s in sources}
+    if hash_of(today) != recorded:
         measured = files_at(root, commit, sources) if by_code else None
         if measured is None or hash_of(measured) != recorded:
             return _stale_text(root, record)
-        changed = [s for s in sources if code_form(s, measured[s]) != code_form(s, (root / s).read_bytes())]
+        text_only = [s for s in sources if measured[s] != today[s]]
+        changed = [s for s in text_only if code_form(s, measured[s]) != code_form(s, today[s])]
         if changed:
             return Freshness(False, f"stale: sources changed since commit {commit[:12]}",
                              tuple(changed))
-        text_only = [s for s in sources if measured[s] != (root / s).read_bytes()]
     imported = kernel_imports(root, sources)
     changed = changed_since(root, commit, imported) if imported else None
     if changed:
