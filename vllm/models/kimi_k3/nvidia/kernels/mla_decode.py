@@ -529,7 +529,8 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
     cache_base = cache_ptr.toint()
     table_row = req * max_blocks
     phys = cute.make_rmem_tensor(cute.make_layout(chunk // warps), Int32)
-    # the first chunk streams in while the kernel before this one finishes, where it may
+    # the first chunk streams in while the kernel before this one finishes, if no kernel of the step
+    # writes it (`_first_chunk_early`)
     early = _first_chunk_early(req, requests, length, q, c0, n_chunks, chunk)
     if early == 1:
         _chunk_rows(phys, table, c0, token_end, warp, table_row, num_blocks, block_size, chunk, warps)
