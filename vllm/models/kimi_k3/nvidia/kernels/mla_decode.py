@@ -420,8 +420,8 @@ def _first_chunk_early(req: Int32, requests: Int32, length: Int32, q: Int32, c0:
     before this one write the step's own tokens' cache rows (positions L − q .. L − 1) and the
     queries; no kernel of the step writes older rows, the block table or the lengths (the host
     copies those before the step's first kernel). So a chunk that ends before L − q is final.
-    Only PDL-launched kernels can still run when this one starts (a plain launch, a torch op or a
-    copy ends before its successor starts), and none of ours writes what is read early here."""
+    Only kernels that release their dependents early can still run when this one starts (a torch
+    op or a copy ends first); ours all do, and none of them writes what is read early here."""
     early = cutlass.select_(req < requests, cutlass.min(n_chunks, 1), Int32(0))
     return cutlass.select_((c0 + 1) * chunk <= length - q, early, Int32(0))
 
