@@ -55,7 +55,7 @@ METRICS = ("sm__cycles_active.avg", "sm__cycles_active.min", "gpc__cycles_elapse
            "dram__throughput.avg.pct_of_peak_sustained_elapsed", "gpu__time_duration.sum", "launch__grid_size")
 DEFAULT_CASES = ("6,1,1,1048576", "12,8,1,1048576", "6,1,1,32768", "12,8,1,32768", "6,1,64,32768")
 BUSY_TARGET = 0.9  # issue 7: "the split keeps every SM busy", as the mean SM's share of the kernel
-TIME_UNITS_NS = {"nsecond": 1.0, "usecond": 1e3, "msecond": 1e6, "second": 1e9}
+TIME_UNITS_NS = {"nsecond": 1.0, "usecond": 1e3, "msecond": 1e6, "second": 1e9, "ns": 1.0, "us": 1e3, "ms": 1e6, "s": 1e9}
 NCU_PLACES = ("/usr/local/cuda*/bin/ncu", "/opt/nvidia/nsight-compute/*/ncu", "/usr/local/NVIDIA-Nsight-Compute*/ncu")
 
 
