@@ -39,16 +39,11 @@ from pathlib import Path
 import torch
 
 from ..latency_specialized.evidence import write_record
+from . import bench_mla_decode
 from .bench_skinny_gemm import require_cuda
 from .targets import worst
 
-SOURCES = (
-    "vllm/models/kimi_k3/nvidia/kernels/mla_decode.py",
-    "vllm/models/kimi_k3/nvidia/kernels/mla_decode_wgmma.py",
-    "vllm/models/kimi_k3/nvidia/kernels/mla_combine.py",
-    "vllm/models/kimi_k3/nvidia/benchmarks/bench_mla_decode.py",
-    "vllm/models/kimi_k3/nvidia/benchmarks/mla_sm_activity.py",
-)
+SOURCES = bench_mla_decode.SOURCES + ("vllm/models/kimi_k3/nvidia/benchmarks/mla_sm_activity.py",)
 MODULE = "vllm.models.kimi_k3.nvidia.benchmarks.mla_sm_activity"
 RANGE = "mla_step"
 METRICS = ("sm__cycles_active.avg", "sm__cycles_active.min", "gpc__cycles_elapsed.max",
@@ -148,10 +143,8 @@ def targets_of(results: list[dict]) -> list[dict]:
 
 def run_child(h: int, q: int, r: int, n: int) -> None:
     """The profiled process: the case compiled and warmed up, then one launch inside the NVTX range."""
-    from .bench_mla_decode import LATENT, Case
-
-    case = Case(h, q, r, n, torch.Generator(device="cuda").manual_seed(0))
-    out = torch.empty((r * q, h, LATENT), device="cuda", dtype=torch.bfloat16)
+    case = bench_mla_decode.Case(h, q, r, n, torch.Generator(device="cuda").manual_seed(0))
+    out = torch.empty((r * q, h, bench_mla_decode.LATENT), device="cuda", dtype=torch.bfloat16)
     for f in case.launches(out):
         f()
     torch.cuda.synchronize()
