@@ -160,7 +160,10 @@ def profile_case(ncu: str, shape: tuple[int, int, int, int], timeout_s: float) -
                  "shape": {"heads": h, "q": q, "requests": r, "rows": r * q, "context": n}}
     with tempfile.TemporaryDirectory() as tmp:
         log = Path(tmp) / "ncu.csv"
-        cmd = [ncu, "--csv", "--log-file", str(log), "--print-units", "base", "--clock-control", "none",
+        # raw metric names on every row: a metric that a default section also shows would otherwise
+        # come under its label ("Duration") there
+        cmd = [ncu, "--csv", "--log-file", str(log), "--print-units", "base", "--print-metric-name", "name",
+               "--clock-control", "none",
                "--nvtx", "--nvtx-include", f"{RANGE}/", "--metrics", ",".join(METRICS),
                sys.executable, "-m", MODULE, "--child", f"{h},{q},{r},{n}"]
         try:
