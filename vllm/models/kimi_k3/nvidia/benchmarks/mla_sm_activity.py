@@ -3,8 +3,8 @@
 
 Per case (heads, q, requests, context) this process runs itself once under `ncu` (the child runs
 the case's launches once to compile and warm up, then one launch inside the NVTX range
-`mla_step`), and ncu reads, for each kernel of that range (the split kernel, and the combine when
-the request splits):
+`mla_step`), and ncu reads, for each kernel of that range (the split kernel and the combine, which
+`mla_decode.launch` always runs: it exits at once where a request did not split):
 
     sm_active_mean = sm__cycles_active.avg / gpc__cycles_elapsed.max   (the mean SM's share of the
                      kernel's cycles with a CTA resident: SM utilisation)
@@ -29,7 +29,9 @@ from __future__ import annotations
 import argparse
 import csv
 import glob
+import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -51,7 +53,8 @@ METRICS = ("sm__cycles_active.avg", "sm__cycles_active.min", "gpc__cycles_elapse
 DEFAULT_CASES = ("6,1,1,1048576", "12,8,1,1048576", "6,1,1,32768", "12,8,1,32768", "6,1,64,32768")
 BUSY_TARGET = 0.9  # issue 7: "the split keeps every SM busy", as the mean SM's share of the kernel
 TIME_UNITS_NS = {"nsecond": 1.0, "usecond": 1e3, "msecond": 1e6, "second": 1e9, "ns": 1.0, "us": 1e3, "ms": 1e6, "s": 1e9}
-NCU_PLACES = ("/usr/local/cuda*/bin/ncu", "/opt/nvidia/nsight-compute/*/ncu", "/usr/local/NVIDIA-Nsight-Compute*/ncu")
+NCU_PLACES = ("/usr/local/cuda/bin/ncu", "/usr/local/cuda-*/bin/ncu", "/opt/nvidia/nsight-compute/*/ncu",
+              "/usr/local/NVIDIA-Nsight-Compute*/ncu")
 
 
 class NcuError(RuntimeError):
@@ -59,8 +62,9 @@ class NcuError(RuntimeError):
 
 
 def find_ncu() -> str:
-    """ncu on PATH, else in the usual CUDA / Nsight Compute install folders."""
-    found = shutil.which("ncu") or next((p for pat in NCU_PLACES for p in sorted(glob.glob(pat))), None)
+    """ncu on PATH, else in the usual CUDA / Nsight Compute install folders (the default CUDA's
+    first, then the newest version of each pattern: an old ncu may lack an option used here)."""
+    found = shutil.which("ncu") or next((sorted(glob.glob(pat))[-1] for pat in NCU_PLACES if glob.glob(pat)), None)
     if found is None:
         raise NcuError("ncu (Nsight Compute) is neither on PATH nor in " + ", ".join(NCU_PLACES)
                        + ": install Nsight Compute or put its ncu on PATH")
@@ -129,6 +133,8 @@ def summarize(kernels: list[dict]) -> dict:
            "dram_pct": s["dram__throughput.avg.pct_of_peak_sustained_elapsed"],
            "split_us": s["gpu__time_duration.sum"] / 1e3, "grid": int(s["launch__grid_size"]), "split_kernel": s["kernel"]}
     if combine:
+        if "gpu__time_duration.sum" not in combine[0]:
+            raise NcuError(f"ncu reported no gpu__time_duration.sum for {combine[0]['kernel']}")
         out["combine_us"] = combine[0]["gpu__time_duration.sum"] / 1e3
     return out
 
@@ -166,20 +172,27 @@ def profile_case(ncu: str, shape: tuple[int, int, int, int], timeout_s: float) -
                "--clock-control", "none",
                "--nvtx", "--nvtx-include", f"{RANGE}/", "--metrics", ",".join(METRICS),
                sys.executable, "-m", MODULE, "--child", f"{h},{q},{r},{n}"]
+        # its own session, so that a timeout kills the profiled child too (it would hold GPU memory
+        # and ncu's profiling lock through the cases after it); C locale: decimal points, not commas
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True, env=dict(os.environ, LC_ALL="C"))
         try:
-            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+            out, err = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
-            return dict(res, status="fail", error=f"ncu ran past {timeout_s:.0f} s")
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+            out, err = "", f"ran past {timeout_s:.0f} s"
         text = log.read_text() if log.is_file() else ""
-        if proc.returncode != 0:
-            tail = (proc.stderr or proc.stdout or text).strip().splitlines()[-5:]
-            return dict(res, status="fail", error=f"ncu exited {proc.returncode}: " + " | ".join(tail))
+    # ncu's own lines (==ERROR==, ==WARNING==) say why, e.g. ERR_NVGPUCTRPERM: no permission to read
+    # the counters; they go to the log file, not to stderr
+    said = [line for line in text.splitlines() if line.startswith("==")][-3:]
+    if proc.returncode != 0:
+        tail = (err or out).strip().splitlines()[-3:]
+        return dict(res, status="fail", error=f"ncu exited {proc.returncode}: " + " | ".join(said + tail))
     try:
         res.update(summarize(parse_ncu_csv(text)))
     except NcuError as e:
-        # ncu's own last lines say why, e.g. ERR_NVGPUCTRPERM: no permission to read the counters
-        tail = [line for line in text.splitlines() if line.startswith("==")][-3:]
-        return dict(res, status="fail", error=" | ".join([str(e)] + tail))
+        return dict(res, status="fail", error=" | ".join([str(e)] + said))
     return dict(res, status="pass")
 
 

@@ -3,6 +3,7 @@ launch, judges issue 7's 1M target on the right cases, and says clearly what is 
 is missing or reports something else (CPU)."""
 
 import argparse
+import time
 
 import pytest
 
@@ -95,3 +96,57 @@ def test_missing_ncu_names_where_it_looked(monkeypatch):
         sa.find_ncu()
     monkeypatch.setattr(sa.glob, "glob", lambda pat: ["/usr/local/cuda-13.0/bin/ncu"] if "cuda" in pat else [])
     assert sa.find_ncu() == "/usr/local/cuda-13.0/bin/ncu"
+
+
+def fake_ncu(tmp_path, body: str) -> str:
+    """An executable standing in for ncu: `log` is the path given after --log-file."""
+    path = tmp_path / "ncu"
+    path.write_text("#!/usr/bin/env python3\nimport os, subprocess, sys, time\n"
+                    "log = sys.argv[sys.argv.index('--log-file') + 1]\n" + body)
+    path.chmod(0o755)
+    return str(path)
+
+
+def test_a_case_is_read_from_the_log_ncu_wrote(tmp_path):
+    table = csv_text([("mla_decode_kernel", SPLIT), ("mla_combine_kernel", COMBINE)])
+    ncu = fake_ncu(tmp_path, f"open(log, 'w').write({table!r})\n")
+    res = sa.profile_case(ncu, (6, 1, 1, 1024), timeout_s=60)
+    assert res["status"] == "pass", res
+    assert res["sm_active_mean"] == pytest.approx(34928 / 46387) and res["shape"]["context"] == 1024
+
+
+def test_ncus_own_error_lines_reach_the_result(tmp_path):
+    ncu = fake_ncu(tmp_path, "open(log, 'w').write('==ERROR== ERR_NVGPUCTRPERM - no permission\\n')\n"
+                             "sys.stderr.write('a warning from the child\\n'); sys.exit(1)\n")
+    res = sa.profile_case(ncu, (6, 1, 1, 1024), timeout_s=60)
+    assert res["status"] == "fail" and "ERR_NVGPUCTRPERM" in res["error"] and "exited 1" in res["error"]
+    ncu = fake_ncu(tmp_path, "open(log, 'w').write('==ERROR== ERR_NVGPUCTRPERM - no permission\\n')\n")
+    res = sa.profile_case(ncu, (6, 1, 1, 1024), timeout_s=60)  # exit 0, no table
+    assert res["status"] == "fail" and "no CSV table" in res["error"] and "ERR_NVGPUCTRPERM" in res["error"]
+
+
+def test_a_run_past_its_time_is_killed_with_its_child(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    ncu = fake_ncu(tmp_path, "child = subprocess.Popen(['sleep', '60'])\n"
+                             f"open({str(pid_file)!r}, 'w').write(str(child.pid))\ntime.sleep(60)\n")
+    t0 = time.monotonic()
+    res = sa.profile_case(ncu, (6, 1, 1, 1024), timeout_s=2)
+    # killing ncu alone would leave the child holding the output pipes until it ended (60 s)
+    assert time.monotonic() - t0 < 30
+    assert res["status"] == "fail" and "ran past 2 s" in res["error"]
+    child = int(pid_file.read_text())
+    for _ in range(50):
+        if not alive(child):
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the profiled child {child} outlived the timeout")
+
+
+def alive(pid: int) -> bool:
+    """Running, not gone and not a zombie (a killed orphan stays one where nothing reaps it)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
