@@ -47,7 +47,7 @@ def test_summary_is_the_split_kernels_share_of_its_cycles():
     assert s["sm_active_min"] == pytest.approx(30000 / 46387)
     assert s["split_us"] == pytest.approx(24.9) and s["combine_us"] == pytest.approx(5.312)
     assert s["dram_pct"] == pytest.approx(48.12) and s["grid"] == 132
-    alone = sa.summarize(sa.parse_ncu_csv(csv_text([("mla_decode_kernel", SPLIT)])))  # one split: no combine
+    alone = sa.summarize(sa.parse_ncu_csv(csv_text([("mla_decode_kernel", SPLIT)])))  # no combine row: none reported
     assert "combine_us" not in alone and alone["sm_active_mean"] == s["sm_active_mean"]
 
 
