@@ -38,8 +38,8 @@ def stale_records(model: ModelFolder, evidence: EvidenceSet | None = None
 
 def text_only_records(evidence: EvidenceSet) -> list[tuple[Record, tuple[str, ...]]]:
     """(record, files) for every fresh record whose sources changed since its run in text only."""
-    return [(r, evidence.freshness(r).text_only) for r in evidence.records
-            if evidence.freshness(r).fresh and evidence.freshness(r).text_only]
+    return [(r, state.text_only) for r in evidence.records
+            if (state := evidence.freshness(r)).fresh and state.text_only]
 
 
 def refresh_commands(stale: list[tuple[Record, str]]) -> list[str]:
