@@ -65,6 +65,13 @@ each cache row read):
 - On sm_90a a plan with more than 32 query rows a request (verify) runs `mla_decode_wgmma`'s
   kernel instead (`DecodePlan.mma`): the same work units, schedule, workspace and combine, its
   scores and values on wgmma from 64-row query tiles.
+- Launched as a PDL dependent: a CTA locates its work unit (the lengths and the block table,
+  which the host copies before the step) and requests its first chunk while the kernel before
+  it finishes, when that chunk ends before the step's own tokens (positions L − q ..), the
+  only cache rows the step writes. The queries, those rows and every global write (the
+  workspace a combine of the same shape may still read) wait for `griddepcontrol.wait`. One
+  request at 32K spent 9.8 µs a launch outside its chunks (H100, 2026-12-06: the split kernel
+  took 9.8 + 3.14 µs a chunk per split, the slope an SM's share of the copy bandwidth).
 - A request with one split writes ol directly. Otherwise each CTA writes its unnormalized
   FP32 partial (O, max, sum) and a record of what it computed to a workspace, and
   `kernels/mla_combine.py` merges the splits (log-sum-exp weights, fixed order). `launch`
@@ -388,29 +395,47 @@ def _locate(lens: cute.Tensor, starts: cute.Tensor, unit: Int32, lane: Int32, re
 
 
 @cute.jit
-def _claim(lens_ptr: cute.Pointer, starts_ptr: cute.Pointer, info_ptr: cute.Pointer, unit: Int32, tid: Int32,
-           requests: Int32, rows: Int32, max_blocks: Int32, slots: Int32, target: Int32, min_chunks: Int32,
-           plan: Constexpr):
-    """CTA `unit`'s work unit (`_locate`), its record for the combine written: (request, or
-    `requests` when idle; L; q; the tile's real rows; its first flattened (row, head); tile; the
-    request's splits; the first of the unit's chunks, their count, and where its tokens end)."""
+def _claim(lens_ptr: cute.Pointer, starts_ptr: cute.Pointer, unit: Int32, tid: Int32, requests: Int32, rows: Int32,
+           max_blocks: Int32, target: Int32, min_chunks: Int32, plan: Constexpr):
+    """CTA `unit`'s work unit (`_locate`): (request, or `requests` when idle; L; q; the tile's real
+    rows; its first flattened (row, head); tile; the request's splits; the first of the unit's
+    chunks, their count, where its tokens end; its record for the combine, which `_publish`
+    writes). Reads only the lengths and row offsets, which no kernel of the step writes."""
     lens = cute.make_tensor(lens_ptr, cute.make_layout(requests))
     starts = cute.make_tensor(starts_ptr, cute.make_layout(requests + 1))
     req, tile, split, splits, first, tiles, length, row0, q, chunks = _locate(
         lens, starts, unit, tid % 32, requests, rows, max_blocks * plan.block_size, target, min_chunks, plan)
     valid_rows = cutlass.min(plan.tile_rows, plan.heads * q - tile * plan.tile_rows)
     out_base = row0 * plan.heads + tile * plan.tile_rows
+    record = (cutlass.select_(req < requests, req, Int32(-1)), split, splits, first + tile, tiles, valid_rows, out_base)
+    c0, c1 = split_range(chunks, splits, split)
+    return (req, length, q, valid_rows, out_base, tile, splits, c0, c1 - c0, cutlass.min(c1 * plan.chunk, length),
+            record)
+
+
+@cute.jit
+def _first_chunk_early(req: Int32, requests: Int32, length: Int32, q: Int32, c0: Int32, n_chunks: Int32,
+                       chunk: Constexpr) -> Int32:
+    """1 when the unit's first chunk may be requested before the PDL wait, else 0. The kernels
+    before this one write the step's own tokens' cache rows (positions L − q .. L − 1) and the
+    queries; no kernel of the step writes older rows, the block table or the lengths (the host
+    copies those before the step's first kernel). So a chunk that ends before L − q is final.
+    Only kernels that release their dependents early can still run when this one starts (a torch
+    op or a copy ends first); ours all do, and none of them writes what is read early here."""
+    early = cutlass.select_(req < requests, cutlass.min(n_chunks, 1), Int32(0))
+    return cutlass.select_((c0 + 1) * chunk <= length - q, early, Int32(0))
+
+
+@cute.jit
+def _publish(info_ptr: cute.Pointer, slots: Int32, unit: Int32, tid: Int32, record: tuple):
+    """Wait for the kernels before this one (launched as a PDL dependent, a CTA may start while
+    they run: a combine of the same shape may still read this workspace), then write the unit's
+    record."""
+    cute.arch.griddepcontrol_wait()
     info = cute.make_tensor(info_ptr, cute.make_layout((slots, INFO), stride=(INFO, 1)))
     if tid == 0:
-        info[unit, 0] = cutlass.select_(req < requests, req, Int32(-1))
-        info[unit, 1] = split
-        info[unit, 2] = splits
-        info[unit, 3] = first + tile
-        info[unit, 4] = tiles
-        info[unit, 5] = valid_rows
-        info[unit, 6] = out_base
-    c0, c1 = split_range(chunks, splits, split)
-    return req, length, q, valid_rows, out_base, tile, splits, c0, c1 - c0, cutlass.min(c1 * plan.chunk, length)
+        for i in cutlass.range_constexpr(len(record)):
+            info[unit, i] = record[i]
 
 
 @cute.jit
@@ -486,28 +511,36 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
     n_t, warp_cols, p_pitch = plan.n_tiles, plan.warp_cols, plan.p_pitch
     block_size = plan.block_size
 
-    req, length, q, valid_rows, out_base, tile, splits, c0, n_chunks, token_end = _claim(
-        lens_ptr, starts_ptr, info_ptr, unit, tid, requests, rows, max_blocks, slots, target, min_chunks, plan)
+    req, length, q, valid_rows, out_base, tile, splits, c0, n_chunks, token_end, record = _claim(
+        lens_ptr, starts_ptr, unit, tid, requests, rows, max_blocks, target, min_chunks, plan)
     table = cute.make_tensor(table_ptr, cute.make_layout(requests * max_blocks))
+    smem = cutlass.memory.SmemAllocator()
+    ring = smem.allocate_tensor(
+        BFloat16, cute.make_layout((VEC, stages, chunk, PITCH // VEC),
+                                   stride=(1, chunk * PITCH, PITCH, VEC)), byte_alignment=128)
+    q_tile = smem.allocate_tensor(
+        BFloat16, cute.make_layout((VEC, tile_rows, PITCH // VEC), stride=(1, PITCH, VEC)), byte_alignment=128)
+    p_vecs = smem.allocate_tensor(
+        BFloat16, cute.make_layout((VEC, tile_rows, p_pitch // VEC), stride=(1, p_pitch, VEC)), byte_alignment=128)
+    red_max = smem.allocate_tensor(Float32, cute.make_layout((warps, tile_rows), stride=(tile_rows, 1)),
+                                   byte_alignment=16)
+    red_sum = smem.allocate_tensor(Float32, cute.make_layout((warps, tile_rows), stride=(tile_rows, 1)),
+                                   byte_alignment=16)
+    g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
+                              BFloat16, num_bits_per_copy=128)
+    cache_base = cache_ptr.toint()
+    table_row = req * max_blocks
+    phys = cute.make_rmem_tensor(cute.make_layout(chunk // warps), Int32)
+    # the first chunk streams in while the kernel before this one finishes, if no kernel of the step
+    # writes it (`_first_chunk_early`)
+    early = _first_chunk_early(req, requests, length, q, c0, n_chunks, chunk)
+    if early == 1:
+        _chunk_rows(phys, table, c0, token_end, warp, table_row, num_blocks, block_size, chunk, warps)
+        _issue_chunk(g2s, cache_base, phys, warp, lane, chunk, warps, lambda row, vec: ring[None, 0, row, vec])
+    _publish(info_ptr, slots, unit, tid, record)
     if req < requests:
-        smem = cutlass.memory.SmemAllocator()
-        ring = smem.allocate_tensor(
-            BFloat16, cute.make_layout((VEC, stages, chunk, PITCH // VEC),
-                                       stride=(1, chunk * PITCH, PITCH, VEC)), byte_alignment=128)
-        q_tile = smem.allocate_tensor(
-            BFloat16, cute.make_layout((VEC, tile_rows, PITCH // VEC), stride=(1, PITCH, VEC)), byte_alignment=128)
-        p_vecs = smem.allocate_tensor(
-            BFloat16, cute.make_layout((VEC, tile_rows, p_pitch // VEC), stride=(1, p_pitch, VEC)),
-            byte_alignment=128)
         p_pairs = cute.make_tensor(p_vecs.iterator, cute.make_layout((2, tile_rows, p_pitch // 2),
                                                                      stride=(1, p_pitch, 2)))
-        red_max = smem.allocate_tensor(Float32, cute.make_layout((warps, tile_rows), stride=(tile_rows, 1)),
-                                       byte_alignment=16)
-        red_sum = smem.allocate_tensor(Float32, cute.make_layout((warps, tile_rows), stride=(tile_rows, 1)),
-                                       byte_alignment=16)
-
-        g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
-                                  BFloat16, num_bits_per_copy=128)
         ldsm = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=False, num_matrices=4), BFloat16)
         ldsm_t = cute.make_copy_atom(cute.nvgpu.warp.LdMatrix8x8x16bOp(transpose=True, num_matrices=4), BFloat16)
         mma = cute.make_mma_atom(cute.nvgpu.warp.MmaF16BF16Op(BFloat16, Float32, (16, 8, 16)))
@@ -522,11 +555,8 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
                 src_row = out_base + cutlass.min(row, valid_rows - 1)
                 cute.copy(g2s, q_vecs[None, src_row, vec], q_tile[None, row, vec])
 
-        cache_base = cache_ptr.toint()
-        table_row = req * max_blocks
-        phys = cute.make_rmem_tensor(cute.make_layout(chunk // warps), Int32)
         for p in cutlass.range_constexpr(stages - 1):
-            if p < n_chunks:
+            if p < (n_chunks if p > 0 else n_chunks * (1 - early)):  # chunk 0 unless it went early
                 _chunk_rows(phys, table, c0 + p, token_end, warp, table_row, num_blocks, block_size, chunk, warps)
                 _issue_chunk(g2s, cache_base, phys, warp, lane, chunk, warps,
                              lambda row, vec, st=Int32(p): ring[None, st, row, vec])
@@ -694,7 +724,7 @@ def _mla_decode_host(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cu
                      target: Int32, min_chunks: Int32, scale_log2: Float32, stream: cuda.CUstream, plan: Constexpr):
     _mla_decode_kernel(q_ptr, cache_ptr, table_ptr, lens_ptr, starts_ptr, out_ptr, ws_o_ptr, ws_ml_ptr, info_ptr,
                        rows, requests, num_blocks, max_blocks, slots, target, min_chunks, scale_log2, plan).launch(
-        grid=(slots, 1, 1), block=(plan.threads, 1, 1), stream=stream,
+        grid=(slots, 1, 1), block=(plan.threads, 1, 1), stream=stream, use_pdl=True,
         # a plan whose CTAs fit an SM's shared memory twice asks for all of it: left to itself the
         # driver may pick a smaller carveout that holds only one of them
         preferred_smem_carveout=100 if plan.smem_ctas >= 2 else None)

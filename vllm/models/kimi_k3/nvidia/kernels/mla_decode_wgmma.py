@@ -1,6 +1,6 @@
 """MLA absorbed decode attention for verify steps on Hopper: `mla_decode`'s split kernel on wgmma.
 
-Math, schedule, workspace and combine are `mla_decode`'s (its docstring), for a plan with
+Math, schedule, workspace, combine and PDL launch are `mla_decode`'s (its docstring), for a plan with
 `mma="wgmma"`: s = τ · q_lat · kv_t, online softmax with FP32 statistics, ol = Σ p c_t with FP32
 accumulators, the weights p rounded to bf16 for P·V and summed unrounded.
 
@@ -41,7 +41,8 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.tensor_utils import LayoutEnum  # cutlass.utils.LayoutEnum is deprecated in 4.8
 
 from . import mla_combine
-from .mla_decode import LATENT, ROW, ROW_VECS, VEC, _chunk_rows, _claim, _issue_chunk, _quad_max, _quad_sum
+from .mla_decode import (LATENT, ROW, ROW_VECS, VEC, _chunk_rows, _claim, _first_chunk_early, _issue_chunk, _publish,
+                         _quad_max, _quad_sum)
 from .rms_norm import gmem_ptr
 
 ARCHS = ("sm_90a",)
@@ -82,17 +83,28 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
     wg_tid = tid % 128
     heads, stages, chunk, block_size = plan.heads, plan.stages, plan.chunk, plan.block_size
 
-    req, length, q, valid_rows, out_base, tile, splits, c0, n_chunks, token_end = _claim(
-        lens_ptr, starts_ptr, info_ptr, unit, tid, requests, rows, max_blocks, slots, target, min_chunks, plan)
+    req, length, q, valid_rows, out_base, tile, splits, c0, n_chunks, token_end, record = _claim(
+        lens_ptr, starts_ptr, unit, tid, requests, rows, max_blocks, target, min_chunks, plan)
     table = cute.make_tensor(table_ptr, cute.make_layout(requests * max_blocks))
+    smem = cutlass.memory.SmemAllocator()
+    q_raw = smem.allocate_tensor(BFloat16, cute.make_layout(TILE_ROWS * ROW), byte_alignment=1024)
+    ring_raw = smem.allocate_tensor(BFloat16, cute.make_layout(stages * chunk * ROW), byte_alignment=1024)
+    red = smem.allocate_tensor(Float32, cute.make_layout((2, TILE_ROWS), stride=(TILE_ROWS, 1)), byte_alignment=16)
+    g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
+                              BFloat16, num_bits_per_copy=128)
+    cache_base = cache_ptr.toint()
+    ring_base = ring_raw.iterator.toint()
+    table_row = req * max_blocks
+    phys = cute.make_rmem_tensor(cute.make_layout(chunk // WARPS), Int32)
+    early = _first_chunk_early(req, requests, length, q, c0, n_chunks, chunk)  # as in mla_decode
+    if early == 1:
+        _chunk_rows(phys, table, c0, token_end, warp, table_row, num_blocks, block_size, chunk, WARPS)
+        _issue_chunk(g2s, cache_base, phys, warp, lane, chunk, WARPS,
+                     lambda row, vec: _smem_vec(ring_base, swizzled(row, vec, chunk)))
+    _publish(info_ptr, slots, unit, tid, record)
     if req < requests:
-        smem = cutlass.memory.SmemAllocator()
-        q_raw = smem.allocate_tensor(BFloat16, cute.make_layout(TILE_ROWS * ROW), byte_alignment=1024)
-        ring_raw = smem.allocate_tensor(BFloat16, cute.make_layout(stages * chunk * ROW), byte_alignment=1024)
         q_swz = cute.recast_ptr(q_raw.iterator, q_layout.inner, dtype=BFloat16)
         ring_swz = cute.recast_ptr(ring_raw.iterator, k_layout.inner, dtype=BFloat16)
-        g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
-                                  BFloat16, num_bits_per_copy=128)
 
         # the query tile (padding rows repeat the last real query; they are never stored)
         q_vecs = cute.make_tensor(q_ptr, cute.make_layout((VEC, rows * heads, ROW_VECS), stride=(1, ROW, VEC)))
@@ -103,12 +115,8 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
             src_row = out_base + cutlass.min(row, valid_rows - 1)
             cute.copy(g2s, q_vecs[None, src_row, vec], _smem_vec(q_raw.iterator.toint(), swizzled(row, vec, TILE_ROWS)))
 
-        cache_base = cache_ptr.toint()
-        ring_base = ring_raw.iterator.toint()
-        table_row = req * max_blocks
-        phys = cute.make_rmem_tensor(cute.make_layout(chunk // WARPS), Int32)
         for p in cutlass.range_constexpr(stages - 1):
-            if p < n_chunks:
+            if p < (n_chunks if p > 0 else n_chunks * (1 - early)):  # chunk 0 unless it went early
                 _chunk_rows(phys, table, c0 + p, token_end, warp, table_row, num_blocks, block_size, chunk, WARPS)
                 _issue_chunk(g2s, cache_base, phys, warp, lane, chunk, WARPS,
                              lambda row, vec, st=Int32(p): _smem_vec(ring_base, st * (chunk * ROW)
@@ -129,7 +137,6 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
         mma_qk.set(warpgroup.Field.ACCUMULATE, True)
         mma_pv.set(warpgroup.Field.ACCUMULATE, True)
         pair = cute.make_rmem_tensor(cute.make_layout(2), BFloat16)
-        red = smem.allocate_tensor(Float32, cute.make_layout((2, TILE_ROWS), stride=(TILE_ROWS, 1)), byte_alignment=16)
 
         # a thread holds rows r and r + 8 (value bit 1); how far each may look (verify rows are causal)
         limit = cute.make_rmem_tensor(cute.make_layout(2), Int32)
@@ -290,7 +297,7 @@ def _host(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointer,
     _kernel(q_ptr, cache_ptr, table_ptr, lens_ptr, starts_ptr, out_ptr, ws_o_ptr, ws_ml_ptr, info_ptr,
             rows, requests, num_blocks, max_blocks, slots, target, min_chunks, scale_log2,
             mma_qk, mma_pv, q_layout, k_layout, v_layout, p_layout, plan).launch(
-        grid=(slots, 1, 1), block=(32 * WARPS, 1, 1), stream=stream)
+        grid=(slots, 1, 1), block=(32 * WARPS, 1, 1), stream=stream, use_pdl=True)
 
 
 def compile_mla_decode_wgmma(plan: Any, arch: str, ptx_dir: str | None = None) -> Any:

@@ -9,13 +9,16 @@ query tile covered once, the grid bound, one long request filling the GPU, every
 running); the split / combine algorithm modelled on the schedule against the oracle; compile
 checks for sm_90a, sm_100a and sm_103a whose PTX must show the design (mma.sync m16n8k16,
 ldmatrix and ldmatrix.trans, 16-byte cp.async, ex2, no local memory) and, where ptxas is on
-PATH, no register spills; every `sweep_plans` variant compiled, with the registers to hold as
-many CTAs an SM as its shared memory does. GPU (marker `gpu`): batches mixing lengths (1, 2, 7, block
+PATH, no register spills; both split kernels launched as PDL dependents, their first chunk
+requested before the wait and nothing written before it; every `sweep_plans` variant compiled,
+with the registers to hold as many CTAs an SM as its shared memory does. GPU (marker `gpu`): batches mixing lengths (1, 2, 7, block
 boundaries, 4097, 65536, one >= 262144), q = 1 and 8 and mixed, heads 6 / 12 / 96, block sizes
 16 / 64 / 128, four input distributions, adversarial scores (one huge logit, all equal, very
 negative) with many splits and none, every `sweep_plans` variant with its own split policy,
 NaN-poisoned outputs, ‖out − ref‖ / ‖ref‖ under a bound;
-bit-identical repeats; CUDA-graph replay after the lengths change on the device. With
+bit-identical repeats; CUDA-graph replay after the lengths change on the device; the queries
+or the step's own cache rows written late by a kernel still running (`test_pdl_order.late_copy`),
+eager and graphed, on both kernels. With
 K3_EVIDENCE_DIR set the GPU results are written there as a "kernel-test" record.
 """
 
@@ -51,7 +54,8 @@ ROW = R_KV + D_R
 REL_ERR_BOUND = 5e-3
 SOURCES = ("vllm/models/kimi_k3/nvidia/kernels/mla_decode.py", "vllm/models/kimi_k3/nvidia/kernels/mla_decode_wgmma.py",
            "vllm/models/kimi_k3/nvidia/kernels/mla_combine.py",
-           "vllm/models/kimi_k3/nvidia/tests/test_mla_decode_kernel.py")
+           "vllm/models/kimi_k3/nvidia/tests/test_mla_decode_kernel.py",
+           "vllm/models/kimi_k3/nvidia/tests/test_pdl_order.py")
 
 
 # ---------------------------------------------------------------- problem construction
@@ -374,9 +378,20 @@ def test_decode_compiles_for_arch(plan, arch, tmp_path):
     assert "cp.async.wait_group" in ptx and "ex2.approx" in ptx
     assert "vote.sync.ballot" in ptx  # the on-device schedule
     assert not re.search(r"\b(ld|st)\.local", ptx), "registers spilled to local memory"
+    _assert_pdl_order(ptx)
     report = _spills(ptx, arch, tmp_path)
     if report is not None:
         assert "0 bytes spill stores" in report, report
+
+
+def _assert_pdl_order(ptx: str) -> None:
+    """Dependents released first; then the first chunk's cp.async, which may run before the PDL
+    wait; the wait; and only then any global store (the record for the combine, a stale combine
+    of the same shape may still read the workspace)."""
+    order = [ptx.index(op) for op in ("griddepcontrol.launch_dependents", "cp.async.cg.shared.global",
+                                      "griddepcontrol.wait", "st.global")]
+    assert order == sorted(order), order
+    assert ptx.count("griddepcontrol.wait") == 1
 
 
 def test_verify_rows_take_the_wgmma_kernel_on_sm90_only():
@@ -442,6 +457,7 @@ def test_wgmma_decode_compiles_for_sm90a_only(tmp_path):
     assert len(re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n256k16\.f32\.bf16\.bf16", ptx)) == 4
     assert "cp.async.cg.shared.global" in ptx and ", 16, 16;" in ptx
     assert "fence.proxy.async.shared::cta" in ptx  # cp.async's writes handed to wgmma's proxy
+    _assert_pdl_order(ptx)
     assert not re.search(r"\b(ld|st)\.local", ptx), "registers spilled to local memory"
     used = kernel_resources(compiled.artifacts.CUBIN)
     assert used.frame_bytes == 0 and used.ctas_per_sm(plan.threads) >= 1, used
@@ -637,3 +653,55 @@ def test_repeat_launch_and_cuda_graph_follow_device_lengths():
     torch.cuda.synchronize()
     for r in range(3):
         assert rel_err(out[b.rows_of(r)], b.reference(r)) < REL_ERR_BOUND
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("late", ["queries", "step rows"])
+@pytest.mark.parametrize("heads, q", [(6, 1), (12, 8)], ids=["h6q1", "h12q8"])
+def test_reads_what_the_kernel_before_writes(heads, q, late, graphed, evidence):
+    """Launched as a PDL dependent, the split kernel may start while the kernel before it still
+    runs. It may request a chunk then only when the chunk holds none of the step's own tokens;
+    the queries and the step's cache rows it must read after its wait. A producer that releases
+    its dependents at once, spins about 1 ms and then writes the queries or the step's rows
+    (`test_pdl_order.late_copy`, whose window `test_window_exists` proves) must not be outrun.
+    Lengths 200 and 70 in 64-token chunks put a step's tokens in the last chunk of a split whose
+    first chunk goes early. h 12 q 8 runs the wgmma kernel on sm_90a."""
+    from vllm.models.kimi_k3.nvidia.tests.test_pdl_order import late_copy, warmed
+
+    b = Batch([200, 70], [q, q], heads, 64, "normal", 7 * heads + q, "cuda")
+    gen = torch.Generator(device="cuda").manual_seed(11 * heads + q)
+    if late == "queries":
+        target, new = b.q_lat, b.q_lat.clone()
+        old = (_draw("normal", tuple(new.shape), gen, "cuda") * 4).to(BF16)
+    else:  # the rows of positions L - q .. L - 1 differ; every older row is the same before and after
+        target, new = b.cache, b.cache.clone()
+        old = new.clone()
+        for r, n in enumerate(b.lengths):
+            pos = torch.arange(n - q, n, device="cuda")
+            blocks = b.block_table[r].long()[pos // b.block_size]
+            old[blocks, pos % b.block_size] = (_draw("normal", (q, ROW), gen, "cuda") * 4).to(BF16)
+    out = torch.empty((b.q_lat.shape[0], heads, R_KV), dtype=BF16, device="cuda")
+
+    def step():
+        late_copy(new, target)
+        mla_decode.launch(b.q_lat, b.cache, b.block_table, b.seq_lens, b.query_start, q, out)
+
+    run = warmed(step, graphed)
+    target.copy_(old)
+    stale = mla_decode.launch(b.q_lat, b.cache, b.block_table, b.seq_lens, b.query_start, q).clone()
+    out.fill_(float("nan"))
+    torch.cuda.synchronize()
+    run()
+    torch.cuda.synchronize()
+    assert torch.equal(target, new), "the producer did not write what it was given"
+    refs = [b.reference(r) for r in range(2)]
+    errs = [rel_err(out[b.rows_of(r)], refs[r]) for r in range(2)]
+    gaps = [rel_err(stale[b.rows_of(r)], refs[r]) for r in range(2)]
+    unwritten = int(torch.isnan(out).sum())
+    ok = unwritten == 0 and max(errs) < REL_ERR_BOUND
+    evidence.append({"name": f"PDL h={heads} q={q} {late} written late, {'graph' if graphed else 'eager'}",
+                     "status": "pass" if ok else "fail", "rel_err": max(errs), "unwritten": unwritten,
+                     "stale_rel_err": min(gaps), "shape": {"heads": heads, "lengths": b.lengths, "q": b.q_lens}})
+    assert min(gaps) > 10 * REL_ERR_BOUND, f"old and new {late} too alike to tell apart ({min(gaps):.2e})"
+    assert ok, f"rel_err {max(errs):.2e} (a stale read gives {min(gaps):.2e}), {unwritten} NaN left"

@@ -21,7 +21,7 @@ are written there as a "kernel-test" record.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -134,6 +134,20 @@ def late_copy(src: torch.Tensor, dst: torch.Tensor) -> None:
                          DELAY_CYCLES, current_stream(src.device, None))
 
 
+def warmed(step: Callable[[], None], graphed: bool) -> Callable[[], None]:
+    """Run `step` once (compiles, makes scratch the judged run must not wait on), then return it,
+    or a replay of it captured in a CUDA graph."""
+    step()
+    if not graphed:
+        return step
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        step()
+    return graph.replay
+
+
 @pytest.fixture(scope="module")
 def evidence():
     results: list[dict] = []
@@ -213,14 +227,7 @@ def test_gemm_reads_after_the_wait(name, n, k, m, late, out_dtype, kind, graphed
         late_copy(src, target)
         skinny_gemm.launch(x, w, out, out_dtype=out_dtype, addend=addend)
 
-    step()  # compiles both and makes the split-K scratch, which the timed pair must not wait on
-    graph = None
-    if graphed:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            step()
+    run = warmed(step, graphed)
     failures = []
     for rep, dist in enumerate(("normal", "large", "heavy_tailed")):
         old = draw("tiny" if rep % 2 else "normal", tuple(target.shape), gen, "cuda")
@@ -228,7 +235,7 @@ def test_gemm_reads_after_the_wait(name, n, k, m, late, out_dtype, kind, graphed
         src.copy_(draw(dist, tuple(target.shape), gen, "cuda"))
         out.fill_(float("nan"))
         torch.cuda.synchronize()
-        graph.replay() if graph is not None else step()
+        run()
         torch.cuda.synchronize()
         ref = _ref(x, w, addend, out_dtype)
         stale = _ref(old if late == "x" else x, w, old if late == "addend" else addend, out_dtype)
