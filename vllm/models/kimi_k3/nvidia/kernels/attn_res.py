@@ -36,6 +36,13 @@ every CTA of the row computes bit-identical softmax weights); the output norm ne
 (a single value). split > 1 keeps more SMs pulling at small M. The cluster's start-up barrier is
 armed before the loads and waited on after them, so it costs no latency.
 
+PDL: launched as a dependent of the kernel before it (like the skinny GEMM), so its clusters are
+placed and its weights γ, w, g (constants of the graph) loaded while that kernel finishes; then
+`griddepcontrol.wait`, and only after it any read of an activation (block slots, prefix, addend)
+or write. The wait covers every earlier kernel of the stream, not only the one before: every CTA
+of every PDL dependent in the step waits before it finishes, so no kernel finishes before its
+predecessor has.
+
 The host `launch` checks the envelope before touching the GPU, compiles once per static variant
 (which inputs are present, strides, n_blocks, tiling, arch), then only launches, on an explicit
 stream (CUDA-graph capturable).
@@ -154,6 +161,31 @@ def _attn_res_kernel(blk_ptr: cute.Pointer, pre_ptr: cute.Pointer, add_ptr: cute
     if const_expr(not exact):
         ok = [tid + v * threads < h // VEC // split for v in range(vecs)]
 
+    smem = cutlass.memory.SmemAllocator()
+    warps = threads // 32
+    # the weights are the graph's constants, so they load while the previous kernel finishes; every
+    # activation (sources, prefix, addend) is read, and every output written, after the wait
+    if const_expr(n_src > 1):
+        nw = row_vectors(nw_ptr, 1, h, h)
+        pw = row_vectors(pw_ptr, 1, h, h)
+        nwr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
+        pwr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
+        if const_expr(not exact):
+            nwr.fill(0.0)
+            pwr.fill(0.0)
+        for v in cutlass.range_constexpr(vecs):
+            copy_if(nw[(0, None), (0, col0 + v * threads)], nwr[None, v], ok[v], exact)
+            copy_if(pw[(0, None), (0, col0 + v * threads)], pwr[None, v], ok[v], exact)
+    if const_expr(plan.has_out_norm):
+        ow = row_vectors(ow_ptr, 1, h, h)
+        owr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
+        if const_expr(not exact):
+            owr.fill(0.0)
+        for v in cutlass.range_constexpr(vecs):
+            copy_if(ow[(0, None), (0, col0 + v * threads)], owr[None, v], ok[v], exact)
+
+    cute.arch.griddepcontrol_wait()
+
     src = cute.make_rmem_tensor(cute.make_layout((VEC, vecs, n_src)), BFloat16)
     if const_expr(not exact):
         src.fill(0.0)  # spare vectors add nothing to the sums
@@ -185,27 +217,6 @@ def _attn_res_kernel(blk_ptr: cute.Pointer, pre_ptr: cute.Pointer, add_ptr: cute
         else:
             for v in cutlass.range_constexpr(vecs):
                 copy_if(pre[(0, None), (row, col0 + v * threads)], src[None, v, n_src - 1], ok[v], exact)
-
-    smem = cutlass.memory.SmemAllocator()
-    warps = threads // 32
-    if const_expr(n_src > 1):
-        nw = row_vectors(nw_ptr, 1, h, h)
-        pw = row_vectors(pw_ptr, 1, h, h)
-        nwr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
-        pwr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
-        if const_expr(not exact):
-            nwr.fill(0.0)
-            pwr.fill(0.0)
-        for v in cutlass.range_constexpr(vecs):
-            copy_if(nw[(0, None), (0, col0 + v * threads)], nwr[None, v], ok[v], exact)
-            copy_if(pw[(0, None), (0, col0 + v * threads)], pwr[None, v], ok[v], exact)
-    if const_expr(plan.has_out_norm):
-        ow = row_vectors(ow_ptr, 1, h, h)
-        owr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
-        if const_expr(not exact):
-            owr.fill(0.0)
-        for v in cutlass.range_constexpr(vecs):
-            copy_if(ow[(0, None), (0, col0 + v * threads)], owr[None, v], ok[v], exact)
 
     if const_expr(n_src > 1):
         n_sums = 2 * n_src
@@ -270,9 +281,10 @@ def _attn_res_host(blk_ptr: cute.Pointer, pre_ptr: cute.Pointer, add_ptr: cute.P
     kernel = _attn_res_kernel(blk_ptr, pre_ptr, add_ptr, live_ptr, nw_ptr, pw_ptr, ow_ptr, out_ptr, mix_ptr,
                               m, eps, out_eps, plan)
     if const_expr(t.split > 1):
-        kernel.launch(grid=(t.split, m, 1), block=(t.threads, 1, 1), cluster=(t.split, 1, 1), stream=stream)
+        kernel.launch(grid=(t.split, m, 1), block=(t.threads, 1, 1), cluster=(t.split, 1, 1), stream=stream,
+                      use_pdl=True)
     else:
-        kernel.launch(grid=(1, m, 1), block=(t.threads, 1, 1), stream=stream)
+        kernel.launch(grid=(1, m, 1), block=(t.threads, 1, 1), stream=stream, use_pdl=True)
 
 
 def compile_attn_res(plan: AttnResPlan, arch: str, ptx_dir: str | None = None) -> Any:

@@ -3,13 +3,15 @@ the reference (reference/ops.py, reference/attn_res.py, reference/model.py).
 
 CPU: envelope errors (raised before any CUDA use), tilings that cover every envelope shape, and
 compile checks for sm_90a, sm_100a and sm_103a whose PTX must show the design (16-byte global
-loads and stores, the cluster exchange where AttnRes splits a row, no local memory).
+loads and stores, the cluster exchange where AttnRes splits a row, no local memory, and AttnRes's
+PDL order: only its weights loaded before `griddepcontrol.wait`).
 GPU (marker `gpu`): every envelope width, M from 1 to 64, four input
 distributions (normal, heavy-tailed, large-magnitude, near-zero), outputs NaN-poisoned before
 the launch, ‖out − ref‖/‖ref‖ in fp32 under REL_ERR_BOUND (both sides are rounded to bf16 once,
 so they differ only where the fp32 values straddle a rounding boundary: at most one bf16 ulp,
 2^-8 relative, on those elements); the AttnRes prefix update and the embedding gather are exact
-and compared bit for bit; CUDA-graph capture and replay. With K3_EVIDENCE_DIR set the GPU
+and compared bit for bit; CUDA-graph capture and replay; AttnRes computing from an activation
+that the kernel before it writes late. With K3_EVIDENCE_DIR set the GPU
 results are written there as "kernel-test" records (families norm, attn_res, embedding).
 """
 
@@ -49,7 +51,8 @@ KERNEL_DIR = "vllm/models/kimi_k3/nvidia/kernels/"
 TEST_FILE = "vllm/models/kimi_k3/nvidia/tests/test_norm_kernels.py"
 SOURCES = {
     "norm": (KERNEL_DIR + "rms_norm.py", TEST_FILE),
-    "attn_res": (KERNEL_DIR + "rms_norm.py", KERNEL_DIR + "attn_res.py", TEST_FILE),
+    "attn_res": (KERNEL_DIR + "rms_norm.py", KERNEL_DIR + "attn_res.py", TEST_FILE,
+                 "vllm/models/kimi_k3/nvidia/tests/test_pdl_order.py"),  # late_copy, in the PDL cases
     "embedding": (KERNEL_DIR + "rms_norm.py", KERNEL_DIR + "embedding.py", TEST_FILE),
 }
 
@@ -234,6 +237,25 @@ def test_compiles_for_arch(arch, name, tmp_path):
     if name.startswith("attn_res") and "split" in name:  # cluster tilings (K3's H)
         assert "barrier.cluster.arrive.relaxed" in ptx  # armed before the loads
         assert "st.shared::cluster.f32" in ptx and "mapa.shared::cluster" in ptx  # partial sums pushed to peers
+    if name.startswith("attn_res"):
+        _check_pdl_order(ptx, weight_loads=ATTN_RES_WEIGHT_LOADS[name])
+
+
+# 16-byte weight loads a thread makes (γ and w; g with the output norm), one vector each at vecs 1
+ATTN_RES_WEIGHT_LOADS = {"attn_res 9 sources split 7": 2, "attn_res final+norm split 2": 3,
+                         "attn_res tiny H=128 final+norm, spare lanes": 3}
+
+
+def _check_pdl_order(ptx: str, weight_loads: int) -> None:
+    """AttnRes as a PDL dependent: dependents released first, one wait, and before it only the
+    weights' loads (a source, prefix or addend loaded there could be the previous kernel's old
+    output), no store."""
+    assert ptx.count("griddepcontrol.wait") == 1
+    released, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
+    before = ptx[released:wait]
+    assert "ld.global" not in ptx[:released]
+    assert len(re.findall(r"\bld\.global", before)) == weight_loads, before
+    assert not re.search(r"\bst\.global", before)
 
 
 # ---------------------------------------------------------------- GPU checks
@@ -414,6 +436,56 @@ def test_attn_res_every_tiling_and_repeatable(split, evidence):
                 int(torch.isnan(out).sum()), exact=torch.equal(out, again) and torch.equal(live, live_ref),
                 shape={"m": m, "n_blocks": 8, "h": H}, tiling=split)
     assert not failures, "; ".join(failures)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("late", ["block slot", "prefix", "addend"])
+@pytest.mark.parametrize("m", [1, 64])
+def test_attn_res_reads_what_the_kernel_before_writes(m, late, graphed, evidence):
+    """Launched as a PDL dependent, AttnRes may start while the kernel before it still runs, and
+    may read only its weights then. A producer that releases its dependents at once, spins about
+    1 ms and then writes one activation (`test_pdl_order.late_copy`, whose window
+    `test_window_exists` proves) must not be outrun: a block slot (layer 0 reads the embedding its
+    kernel has just written), the prefix (the attention output that starts a block) or the addend
+    (the sub-layer output the other calls add). M = 1 and 64 run the 7- and 2-CTA clusters."""
+    from vllm.models.kimi_k3.nvidia.tests.test_pdl_order import late_copy, warmed
+
+    gen = torch.Generator(device="cuda").manual_seed(6000 + m + len(late))
+    blocks = torch.stack([draw("normal", (m, H), gen, "cuda") * (j + 1) for j in range(2)])  # slots contiguous
+    prefix, addend = draw("normal", (m, H), gen, "cuda"), draw("normal", (m, H), gen, "cuda")
+    norm_w, out_w = _norm_weight(H, gen), _norm_weight(H, gen)
+    proj_w = (0.02 * torch.randn(H, generator=gen, device="cuda")).to(torch.bfloat16)
+    target = {"block slot": blocks[0], "prefix": prefix, "addend": addend}[late]
+    new, old = target.clone(), draw("large", (m, H), gen, "cuda")  # the old value would dominate the mixture
+    out, live = _nan((m, H)), _nan((m, H))
+
+    def call(out: torch.Tensor, live: torch.Tensor) -> None:
+        attn_res.launch(blocks, 2, prefix, norm_w, proj_w, EPS, addend=addend, live_out=live, out_w=out_w, out=out)
+
+    def step():
+        late_copy(new, target)
+        call(out, live)
+
+    run = warmed(step, graphed)
+    target.copy_(old)
+    stale = _nan((m, H))
+    call(stale, _nan((m, H)))
+    out.fill_(float("nan"))
+    live.fill_(float("nan"))
+    torch.cuda.synchronize()
+    run()
+    torch.cuda.synchronize()
+    assert torch.equal(target, new), "the producer did not write what it was given"
+    live_ref = bf16_add(prefix, addend)
+    ref = attn_res_mix([blocks[0], blocks[1], live_ref], norm_w, proj_w, EPS, out_w, EPS)
+    gap = rel_err(stale, ref)
+    failures: list[str] = []
+    _record(evidence["attn_res"], failures, f"attn_res PDL M={m} {late} written late, {'graph' if graphed else 'eager'}",
+            rel_err(out, ref), int(torch.isnan(out).sum() + torch.isnan(live).sum()),
+            exact=torch.equal(live, live_ref), stale_rel_err=gap, shape={"m": m, "n_blocks": 2, "h": H}, late=late)
+    assert gap > 10 * REL_ERR_BOUND, f"old and new {late} too alike to tell apart ({gap:.2e})"
+    assert not failures, "; ".join(failures) + f" (a stale read gives {gap:.2e})"
 
 
 @pytest.mark.gpu
