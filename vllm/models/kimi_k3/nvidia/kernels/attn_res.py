@@ -142,6 +142,19 @@ class AttnResPlan:
         return self.n_blocks + int(self.has_prefix)
 
 
+@cute.jit
+def _vectors(view: cute.Tensor, row: Int32, col0: Int32, threads: Constexpr, vecs: Constexpr, ok: list,
+             exact: Constexpr) -> cute.Tensor:
+    """This thread's `vecs` vectors of `row` of a `row_vectors` view, in registers (zeros where a
+    spare lane has none)."""
+    regs = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
+    if const_expr(not exact):
+        regs.fill(0.0)
+    for v in cutlass.range_constexpr(vecs):
+        copy_if(view[(0, None), (row, col0 + v * threads)], regs[None, v], ok[v], exact)
+    return regs
+
+
 @cute.kernel
 def _attn_res_kernel(blk_ptr: cute.Pointer, pre_ptr: cute.Pointer, add_ptr: cute.Pointer, live_ptr: cute.Pointer,
                      nw_ptr: cute.Pointer, pw_ptr: cute.Pointer, ow_ptr: cute.Pointer, out_ptr: cute.Pointer,
@@ -166,23 +179,10 @@ def _attn_res_kernel(blk_ptr: cute.Pointer, pre_ptr: cute.Pointer, add_ptr: cute
     # the weights are the graph's constants, so they load while the previous kernel finishes; every
     # activation (sources, prefix, addend) is read, and every output written, after the wait
     if const_expr(n_src > 1):
-        nw = row_vectors(nw_ptr, 1, h, h)
-        pw = row_vectors(pw_ptr, 1, h, h)
-        nwr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
-        pwr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
-        if const_expr(not exact):
-            nwr.fill(0.0)
-            pwr.fill(0.0)
-        for v in cutlass.range_constexpr(vecs):
-            copy_if(nw[(0, None), (0, col0 + v * threads)], nwr[None, v], ok[v], exact)
-            copy_if(pw[(0, None), (0, col0 + v * threads)], pwr[None, v], ok[v], exact)
+        nwr = _vectors(row_vectors(nw_ptr, 1, h, h), 0, col0, threads, vecs, ok, exact)
+        pwr = _vectors(row_vectors(pw_ptr, 1, h, h), 0, col0, threads, vecs, ok, exact)
     if const_expr(plan.has_out_norm):
-        ow = row_vectors(ow_ptr, 1, h, h)
-        owr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
-        if const_expr(not exact):
-            owr.fill(0.0)
-        for v in cutlass.range_constexpr(vecs):
-            copy_if(ow[(0, None), (0, col0 + v * threads)], owr[None, v], ok[v], exact)
+        owr = _vectors(row_vectors(ow_ptr, 1, h, h), 0, col0, threads, vecs, ok, exact)
 
     cute.arch.griddepcontrol_wait()
 
@@ -200,15 +200,8 @@ def _attn_res_kernel(blk_ptr: cute.Pointer, pre_ptr: cute.Pointer, add_ptr: cute
     if const_expr(plan.has_prefix):
         pre = row_vectors(pre_ptr, m, h, plan.prefix_stride)
         if const_expr(plan.has_addend):
-            add = row_vectors(add_ptr, m, h, plan.addend_stride)
-            pr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
-            ad = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
-            if const_expr(not exact):
-                pr.fill(0.0)
-                ad.fill(0.0)
-            for v in cutlass.range_constexpr(vecs):
-                copy_if(pre[(0, None), (row, col0 + v * threads)], pr[None, v], ok[v], exact)
-                copy_if(add[(0, None), (row, col0 + v * threads)], ad[None, v], ok[v], exact)
+            pr = _vectors(pre, row, col0, threads, vecs, ok, exact)
+            ad = _vectors(row_vectors(add_ptr, m, h, plan.addend_stride), row, col0, threads, vecs, ok, exact)
             src[None, None, n_src - 1].store((pr.load().to(Float32) + ad.load().to(Float32)).to(BFloat16))
             if const_expr(plan.has_live_out):
                 live = row_vectors(live_ptr, m, h, plan.live_stride)
