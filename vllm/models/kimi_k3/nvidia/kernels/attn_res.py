@@ -39,9 +39,10 @@ armed before the loads and waited on after them, so it costs no latency.
 PDL: launched as a dependent of the kernel before it (like the skinny GEMM), so its clusters are
 placed and its weights γ, w, g (constants of the graph) loaded while that kernel finishes; then
 `griddepcontrol.wait`, and only after it any read of an activation (block slots, prefix, addend)
-or write. The wait covers every earlier kernel of the stream, not only the one before: every CTA
-of every PDL dependent in the step waits before it finishes, so no kernel finishes before its
-predecessor has.
+or write. The wait covers every kernel the launch depends on, not only the one before: each PDL
+dependent of the step waits in at least one CTA before it can finish (in every CTA but the MoE
+down pass's non-leaders, which read only the ids and are followed by a plain combine), so no grid
+finishes before those it depends on; the graph lanes join before the next AttnRes.
 
 The host `launch` checks the envelope before touching the GPU, compiles once per static variant
 (which inputs are present, strides, n_blocks, tiling, arch), then only launches, on an explicit
@@ -143,10 +144,10 @@ class AttnResPlan:
 
 
 @cute.jit
-def _vectors(view: cute.Tensor, row: Int32, col0: Int32, threads: Constexpr, vecs: Constexpr, ok: list,
+def _load_row_vectors(view: cute.Tensor, row: Int32, col0: Int32, threads: Constexpr, vecs: Constexpr, ok: list,
              exact: Constexpr) -> cute.Tensor:
     """This thread's `vecs` vectors of `row` of a `row_vectors` view, in registers (zeros where a
-    spare lane has none)."""
+    spare lane has none). `ok[v]`: whether vector v exists (True, or a DSL predicate)."""
     regs = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
     if const_expr(not exact):
         regs.fill(0.0)
@@ -179,10 +180,10 @@ def _attn_res_kernel(blk_ptr: cute.Pointer, pre_ptr: cute.Pointer, add_ptr: cute
     # the weights are the graph's constants, so they load while the previous kernel finishes; every
     # activation (sources, prefix, addend) is read, and every output written, after the wait
     if const_expr(n_src > 1):
-        nwr = _vectors(row_vectors(nw_ptr, 1, h, h), 0, col0, threads, vecs, ok, exact)
-        pwr = _vectors(row_vectors(pw_ptr, 1, h, h), 0, col0, threads, vecs, ok, exact)
+        nwr = _load_row_vectors(row_vectors(nw_ptr, 1, h, h), 0, col0, threads, vecs, ok, exact)
+        pwr = _load_row_vectors(row_vectors(pw_ptr, 1, h, h), 0, col0, threads, vecs, ok, exact)
     if const_expr(plan.has_out_norm):
-        owr = _vectors(row_vectors(ow_ptr, 1, h, h), 0, col0, threads, vecs, ok, exact)
+        owr = _load_row_vectors(row_vectors(ow_ptr, 1, h, h), 0, col0, threads, vecs, ok, exact)
 
     cute.arch.griddepcontrol_wait()
 
@@ -200,8 +201,8 @@ def _attn_res_kernel(blk_ptr: cute.Pointer, pre_ptr: cute.Pointer, add_ptr: cute
     if const_expr(plan.has_prefix):
         pre = row_vectors(pre_ptr, m, h, plan.prefix_stride)
         if const_expr(plan.has_addend):
-            pr = _vectors(pre, row, col0, threads, vecs, ok, exact)
-            ad = _vectors(row_vectors(add_ptr, m, h, plan.addend_stride), row, col0, threads, vecs, ok, exact)
+            pr = _load_row_vectors(pre, row, col0, threads, vecs, ok, exact)
+            ad = _load_row_vectors(row_vectors(add_ptr, m, h, plan.addend_stride), row, col0, threads, vecs, ok, exact)
             src[None, None, n_src - 1].store((pr.load().to(Float32) + ad.load().to(Float32)).to(BFloat16))
             if const_expr(plan.has_live_out):
                 live = row_vectors(live_ptr, m, h, plan.live_stride)

@@ -207,18 +207,26 @@ def _attn_res_plan(n_blocks: int, split: int, *, out_norm: bool = True, mix_out:
                                 attn_res.TILINGS[split])
 
 
+ATTN_RES_PLANS = {
+    "attn_res 9 sources split 7": _attn_res_plan(8, 7, out_norm=False),
+    "attn_res final+norm split 2": _attn_res_plan(8, 2, mix_out=True),
+    "attn_res tiny H=128 final+norm, spare lanes": attn_res.AttnResPlan(
+        128, 8, 128, 1024, True, 128, True, 128, True, 128, True, True, 128, 128, attn_res.choose_tiling(1, 132, 128)),
+    # a block's first post-attention call: the attention output is the prefix, no addend
+    "attn_res prefix without addend split 7": attn_res.AttnResPlan(
+        H, 3, H, 8 * H, True, H, False, 0, False, 0, True, False, 0, H, attn_res.TILINGS[7]),
+    # layer 0: the embedding alone, so no logits and only g loaded
+    "attn_res one source split 7": attn_res.AttnResPlan(
+        H, 1, H, 8 * H, False, 0, False, 0, False, 0, True, False, 0, H, attn_res.TILINGS[7]),
+}
+
 COMPILE_CASES = {
     "rms_norm d=1536 strided": lambda arch, ptx_dir: rms_norm.compile_rms_norm(
         rms_norm.RmsNormPlan.for_width(1536, 2112, 1536), arch, ptx_dir),
     "rms_norm d=32 strided, spare lanes": lambda arch, ptx_dir: rms_norm.compile_rms_norm(
         rms_norm.RmsNormPlan.for_width(32, 96, 32), arch, ptx_dir),
-    "attn_res 9 sources split 7": lambda arch, ptx_dir: attn_res.compile_attn_res(
-        _attn_res_plan(8, 7, out_norm=False), arch, ptx_dir),
-    "attn_res final+norm split 2": lambda arch, ptx_dir: attn_res.compile_attn_res(
-        _attn_res_plan(8, 2, mix_out=True), arch, ptx_dir),
-    "attn_res tiny H=128 final+norm, spare lanes": lambda arch, ptx_dir: attn_res.compile_attn_res(
-        attn_res.AttnResPlan(128, 8, 128, 1024, True, 128, True, 128, True, 128, True, True, 128, 128,
-                             attn_res.choose_tiling(1, 132, 128)), arch, ptx_dir),
+    **{name: (lambda arch, ptx_dir, plan=plan: attn_res.compile_attn_res(plan, arch, ptx_dir))
+       for name, plan in ATTN_RES_PLANS.items()},
     "embedding int64": lambda arch, ptx_dir: embedding.compile_embedding(
         embedding.EmbeddingPlan(10240, 8 * H, True, H), arch, ptx_dir),
     "embedding tiny H=128, spare lanes": lambda arch, ptx_dir: embedding.compile_embedding(
@@ -237,25 +245,25 @@ def test_compiles_for_arch(arch, name, tmp_path):
     if name.startswith("attn_res") and "split" in name:  # cluster tilings (K3's H)
         assert "barrier.cluster.arrive.relaxed" in ptx  # armed before the loads
         assert "st.shared::cluster.f32" in ptx and "mapa.shared::cluster" in ptx  # partial sums pushed to peers
-    if name.startswith("attn_res"):
-        _check_pdl_order(ptx, weight_loads=ATTN_RES_WEIGHT_LOADS[name])
+    if name in ATTN_RES_PLANS:
+        plan = ATTN_RES_PLANS[name]
+        # 16-byte weight vectors a thread loads: γ and w with more than one source, g with the norm
+        _check_pdl_order(ptx, plan.tiling.vecs * (2 * (plan.n_sources > 1) + plan.has_out_norm))
 
 
-# 16-byte weight loads a thread makes (γ and w; g with the output norm), one vector each at vecs 1
-ATTN_RES_WEIGHT_LOADS = {"attn_res 9 sources split 7": 2, "attn_res final+norm split 2": 3,
-                         "attn_res tiny H=128 final+norm, spare lanes": 3}
+GLOBAL_LOAD = re.compile(r"\b(?:ld|ldu)(?:\.[\w:]+)*\.global\b|\bcp\.async\b")
+GLOBAL_WRITE = re.compile(r"\b(?:st|red|atom)(?:\.[\w:]+)*\.global\b|\bcp\.async\.bulk\.global")
 
 
 def _check_pdl_order(ptx: str, weight_loads: int) -> None:
     """AttnRes as a PDL dependent: dependents released first, one wait, and before it only the
     weights' loads (a source, prefix or addend loaded there could be the previous kernel's old
-    output), no store."""
+    output), no write."""
     assert ptx.count("griddepcontrol.wait") == 1
     released, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
-    before = ptx[released:wait]
-    assert "ld.global" not in ptx[:released]
-    assert len(re.findall(r"\bld\.global", before)) == weight_loads, before
-    assert not re.search(r"\bst\.global", before)
+    assert not GLOBAL_LOAD.search(ptx[:released])
+    assert len(GLOBAL_LOAD.findall(ptx[released:wait])) == weight_loads, ptx[released:wait]
+    assert not GLOBAL_WRITE.search(ptx[:wait])
 
 
 # ---------------------------------------------------------------- GPU checks
@@ -451,7 +459,7 @@ def test_attn_res_reads_what_the_kernel_before_writes(m, late, graphed, evidence
     (the sub-layer output the other calls add). M = 1 and 64 run the 7- and 2-CTA clusters."""
     from vllm.models.kimi_k3.nvidia.tests.test_pdl_order import late_copy, warmed
 
-    gen = torch.Generator(device="cuda").manual_seed(6000 + m + len(late))
+    gen = torch.Generator(device="cuda").manual_seed(6000 + m + ("block slot", "prefix", "addend").index(late))
     blocks = torch.stack([draw("normal", (m, H), gen, "cuda") * (j + 1) for j in range(2)])  # slots contiguous
     prefix, addend = draw("normal", (m, H), gen, "cuda"), draw("normal", (m, H), gen, "cuda")
     norm_w, out_w = _norm_weight(H, gen), _norm_weight(H, gen)
