@@ -41,8 +41,8 @@ placed and its weights γ, w, g (constants of the graph) loaded while that kerne
 `griddepcontrol.wait`, and only after it any read of an activation (block slots, prefix, addend)
 or write. The wait covers every kernel the launch depends on, not only the one before: each PDL
 dependent of the step waits in at least one CTA before it can finish (in every CTA but the MoE
-down pass's non-leaders, which read only the ids and are followed by a plain combine), so no grid
-finishes before those it depends on; the graph lanes join before the next AttnRes.
+down pass's non-leaders, which read only the ids, and the combine after them waits in every CTA),
+so no grid finishes before those it depends on; the graph lanes join before the next AttnRes.
 
 The host `launch` checks the envelope before touching the GPU, compiles once per static variant
 (which inputs are present, strides, n_blocks, tiling, arch), then only launches, on an explicit

@@ -60,6 +60,9 @@ Design (memory-bound: each value row of S is read once and written once per toke
 - Split (CTAs per (request, head), 2, 4 or 8; 128/split value rows and 8·128/split threads
   each): `choose_split`, an unmeasured heuristic (the fewest that still give two CTAs per SM).
 
+PDL (as `attn_res`): launched as a dependent of the kernel before it, waiting before its first
+load: the slots, z, g_raw and both states are all this step's or the previous step's.
+
 The host `launch` checks the envelope before touching the GPU, compiles once per static
 variant (heads, q, max_q, strides, split, arch), then only launches, on an explicit stream
 (CUDA-graph capturable: slot and accepted tensors are read on the device).
@@ -265,6 +268,7 @@ def _kda_decode_kernel(z_ptr: cute.Pointer, graw_ptr: cute.Pointer, convw_ptr: c
     v_v = cute.zipped_divide(v_s, (1, 4))
     o_v = cute.zipped_divide(o_s, (1, 8))
 
+    cute.arch.griddepcontrol_wait()
     cslot = conv_slots[req]
     rslot = read_slots[req]
     first = rec_slots[req, 0]
@@ -396,7 +400,7 @@ def _kda_decode_host(z_ptr: cute.Pointer, graw_ptr: cute.Pointer, convw_ptr: cut
                        read_slot_ptr, rec_slots_ptr, accepted_ptr, out_ptr, requests, rec_pool, conv_pool,
                        lower_bound, plan).launch(
         grid=(plan.split, plan.heads, requests), block=(plan.threads, 1, 1), cluster=(plan.split, 1, 1),
-        stream=stream)
+        stream=stream, use_pdl=True)
 
 
 def compile_kda_decode(plan: KdaDecodePlan, arch: str, ptx_dir: str | None = None) -> Any:

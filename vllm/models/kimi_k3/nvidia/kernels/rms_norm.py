@@ -22,6 +22,9 @@ shuffle per pair of values instead of five per value), warps through shared memo
 cluster through distributed shared memory; every sum has a fixed order, so all CTAs of a row get
 bit-identical totals.
 
+PDL (as `attn_res`): launched as a dependent of the kernel before it, γ (a constant of the graph)
+loaded before `griddepcontrol.wait`, x read and y written after it.
+
 The host `launch` checks the envelope before touching the GPU, compiles once per (D, row
 strides, arch), then only launches, on an explicit stream (CUDA-graph capturable).
 """
@@ -204,9 +207,10 @@ def _rms_norm_kernel(x_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Point
         xr.fill(0.0)  # spare vectors add nothing to the sum
         wr.fill(0.0)
     for v in cutlass.range_constexpr(vecs):
-        copy_if(x[(0, None), (row, tid + v * threads)], xr[None, v], tid + v * threads < nv, plan.exact)
-    for v in cutlass.range_constexpr(vecs):
         copy_if(w[(0, None), (0, tid + v * threads)], wr[None, v], tid + v * threads < nv, plan.exact)
+    cute.arch.griddepcontrol_wait()  # γ is a constant of the graph; x is the previous kernel's output
+    for v in cutlass.range_constexpr(vecs):
+        copy_if(x[(0, None), (row, tid + v * threads)], xr[None, v], tid + v * threads < nv, plan.exact)
 
     xf = xr.load().to(Float32)
     rrms = row_rrms(xf, plan.d, eps, threads // 32)
@@ -221,7 +225,7 @@ def _rms_norm_kernel(x_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Point
 def _rms_norm_host(x_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer, m: Int32,
                    eps: Float32, stream: cuda.CUstream, plan: Constexpr):
     _rms_norm_kernel(x_ptr, w_ptr, y_ptr, m, eps, plan).launch(
-        grid=(m, 1, 1), block=(plan.threads, 1, 1), stream=stream)
+        grid=(m, 1, 1), block=(plan.threads, 1, 1), stream=stream, use_pdl=True)
 
 
 def gmem_ptr(dtype: Any, address: int, align: int = 16) -> cute.Pointer:

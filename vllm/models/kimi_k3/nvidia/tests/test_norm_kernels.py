@@ -40,6 +40,7 @@ from vllm.models.kimi_k3.nvidia.reference.collective import SingleRank  # noqa: 
 from vllm.models.kimi_k3.nvidia.reference.model import embed  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.ops import bf16_add  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.ops import rms_norm as rms_norm_ref  # noqa: E402
+from vllm.models.kimi_k3.nvidia.tests._pdl import check_pdl_order  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._util import DISTRIBUTIONS, draw, rel_err  # noqa: E402
 
 H = attn_res.HIDDEN
@@ -220,11 +221,14 @@ ATTN_RES_PLANS = {
         H, 1, H, 8 * H, False, 0, False, 0, False, 0, True, False, 0, H, attn_res.TILINGS[7]),
 }
 
+RMS_NORM_PLANS = {
+    "rms_norm d=1536 strided": rms_norm.RmsNormPlan.for_width(1536, 2112, 1536),
+    "rms_norm d=32 strided, spare lanes": rms_norm.RmsNormPlan.for_width(32, 96, 32),
+}
+
 COMPILE_CASES = {
-    "rms_norm d=1536 strided": lambda arch, ptx_dir: rms_norm.compile_rms_norm(
-        rms_norm.RmsNormPlan.for_width(1536, 2112, 1536), arch, ptx_dir),
-    "rms_norm d=32 strided, spare lanes": lambda arch, ptx_dir: rms_norm.compile_rms_norm(
-        rms_norm.RmsNormPlan.for_width(32, 96, 32), arch, ptx_dir),
+    **{name: (lambda arch, ptx_dir, plan=plan: rms_norm.compile_rms_norm(plan, arch, ptx_dir))
+       for name, plan in RMS_NORM_PLANS.items()},
     **{name: (lambda arch, ptx_dir, plan=plan: attn_res.compile_attn_res(plan, arch, ptx_dir))
        for name, plan in ATTN_RES_PLANS.items()},
     "embedding int64": lambda arch, ptx_dir: embedding.compile_embedding(
@@ -245,25 +249,12 @@ def test_compiles_for_arch(arch, name, tmp_path):
     if name.startswith("attn_res") and "split" in name:  # cluster tilings (K3's H)
         assert "barrier.cluster.arrive.relaxed" in ptx  # armed before the loads
         assert "st.shared::cluster.f32" in ptx and "mapa.shared::cluster" in ptx  # partial sums pushed to peers
+    if name in RMS_NORM_PLANS:
+        check_pdl_order(ptx, RMS_NORM_PLANS[name].vecs)  # γ's vectors only
     if name in ATTN_RES_PLANS:
         plan = ATTN_RES_PLANS[name]
         # 16-byte weight vectors a thread loads: γ and w with more than one source, g with the norm
-        _check_pdl_order(ptx, plan.tiling.vecs * (2 * (plan.n_sources > 1) + plan.has_out_norm))
-
-
-GLOBAL_LOAD = re.compile(r"\b(?:ld|ldu)(?:\.[\w:]+)*\.global\b|\bcp\.async\b")
-GLOBAL_WRITE = re.compile(r"\b(?:st|red|atom)(?:\.[\w:]+)*\.global\b|\bcp\.async\.bulk\.global")
-
-
-def _check_pdl_order(ptx: str, weight_loads: int) -> None:
-    """AttnRes as a PDL dependent: dependents released first, one wait, and before it only the
-    weights' loads (a source, prefix or addend loaded there could be the previous kernel's old
-    output), no write."""
-    assert ptx.count("griddepcontrol.wait") == 1
-    released, wait = ptx.index("griddepcontrol.launch_dependents"), ptx.index("griddepcontrol.wait")
-    assert not GLOBAL_LOAD.search(ptx[:released])
-    assert len(GLOBAL_LOAD.findall(ptx[released:wait])) == weight_loads, ptx[released:wait]
-    assert not GLOBAL_WRITE.search(ptx[:wait])
+        check_pdl_order(ptx, plan.tiling.vecs * (2 * (plan.n_sources > 1) + plan.has_out_norm))
 
 
 # ---------------------------------------------------------------- GPU checks
