@@ -61,7 +61,7 @@ import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32, const_expr
 
 from .device import facts
-from .rms_norm import (
+from .rows import (
     VEC,
     block_sums,
     check_devices,

@@ -49,7 +49,7 @@ Design (memory-bound: each value row of S is read once and written once per toke
   channels for all q tokens (a lane holds 4 channels and slides the window over the tokens),
   rounds, and L2-normalizes with a warp sum; warp 2 computes α and β; warp 3 the conv of the
   CTA's own v channels. Results go to shared memory; one barrier; then the token loop.
-- The q tokens' Σ o² meet once, after the loop, in `rms_norm.block_sums` (shared memory,
+- The q tokens' Σ o² meet once, after the loop, in `rows.block_sums` (shared memory,
   then distributed shared memory across the cluster, fixed order). The cluster barrier inside it
   also orders every CTA's reads of the old conv taps before the conv state is rewritten; each
   CTA rewrites only its share of the head's channels (its 128/split channels of q, k and v).
@@ -80,7 +80,7 @@ import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32
 
 from .device import facts
-from .rms_norm import block_sums, current_stream, gmem_ptr, pow2_at_least
+from .rows import block_sums, current_stream, gmem_ptr, pow2_at_least
 
 HEAD_DIM = 128
 CONV_WIDTH = 4

@@ -23,7 +23,7 @@ optional latent output into one read of the GEMM row and one write of the cache 
 
 Design: one CTA of 64 threads (two warps) per row. Thread t holds 16-byte vector t of kv_c and
 of γ in registers; threads 0..7 also carry one vector of k_pe. The sum of squares goes through
-`rms_norm.block_sums` (butterfly, then the two warps through shared memory), every thread then
+`rows.block_sums` (butterfly, then the two warps through shared memory), every thread then
 scales its vector and stores it to the cache row (and latent_out) with one 16-byte store each.
 The slot is read once per thread (an L1 broadcast); the cache row address is formed in 64 bits.
 
@@ -45,7 +45,7 @@ import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, const_expr
 
 from .device import facts
-from .rms_norm import (
+from .rows import (
     VEC,
     check_devices,
     check_row_count,

@@ -34,7 +34,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32
 from .device import facts
-from .rms_norm import gmem_ptr
+from .rows import gmem_ptr
 
 MAX_ROWS = 64
 MAX_TOP_K = 32

@@ -54,7 +54,7 @@ import torch
 from cutlass import Constexpr, Float32, Int32, const_expr
 from cutlass._mlir.dialects import arith
 from .device import facts
-from .rms_norm import gmem_ptr
+from .rows import gmem_ptr
 
 MAX_ROWS = 64
 MAX_EXPERTS = 1024

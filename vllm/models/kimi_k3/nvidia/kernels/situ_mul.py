@@ -34,7 +34,7 @@ from cutlass import BFloat16, Constexpr, Float32, Int32
 
 from .device import facts
 from .moe_experts import situ
-from .rms_norm import VEC, check_devices, check_row_count, check_rows, current_stream, gmem_ptr, need, \
+from .rows import VEC, check_devices, check_row_count, check_rows, current_stream, gmem_ptr, need, \
     row_vectors
 
 THREADS = 128

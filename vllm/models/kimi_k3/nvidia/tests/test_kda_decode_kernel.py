@@ -72,7 +72,7 @@ LONG_RUN_STEPS = 4096
 LONG_RUN_STATE_BOUND = 1e-3
 LONG_RUN_OUT_BOUND = 1e-2
 SOURCES = ("vllm/models/kimi_k3/nvidia/kernels/kda_decode.py",
-           "vllm/models/kimi_k3/nvidia/kernels/rms_norm.py",
+           "vllm/models/kimi_k3/nvidia/kernels/rows.py",
            "vllm/models/kimi_k3/nvidia/tests/test_kda_decode_kernel.py")
 TEST_FILE = SOURCES[-1]
 

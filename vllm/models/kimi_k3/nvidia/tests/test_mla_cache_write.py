@@ -25,7 +25,7 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip 
 
 from vllm.models.kimi_k3.nvidia.kernels import mla_cache_write  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.mla_cache_write import CacheWritePlan  # noqa: E402
-from vllm.models.kimi_k3.nvidia.kernels.rms_norm import NormEnvelopeError  # noqa: E402
+from vllm.models.kimi_k3.nvidia.kernels.rows import NormEnvelopeError  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.ops import rms_norm as rms_norm_ref  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._pdl import check_pdl_order  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_kernel_test  # noqa: E402
@@ -45,7 +45,7 @@ BLOCK_SIZES = (1, 16, 64)
 REL_ERR_BOUND = 1e-2
 ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 TEST_FILE = "vllm/models/kimi_k3/nvidia/tests/test_mla_cache_write.py"
-SOURCES = ("vllm/models/kimi_k3/nvidia/kernels/rms_norm.py", "vllm/models/kimi_k3/nvidia/kernels/mla_cache_write.py",
+SOURCES = ("vllm/models/kimi_k3/nvidia/kernels/rows.py", "vllm/models/kimi_k3/nvidia/kernels/mla_cache_write.py",
            TEST_FILE)
 
 

@@ -31,7 +31,7 @@ from vllm.models.kimi_k3.nvidia.kernels import (  # noqa: E402
     embedding,
     rms_norm,
 )
-from vllm.models.kimi_k3.nvidia.kernels.rms_norm import NormEnvelopeError  # noqa: E402
+from vllm.models.kimi_k3.nvidia.kernels.rows import MAX_ROWS, MAX_WIDTH, VEC, NormEnvelopeError  # noqa: E402
 from vllm.models.kimi_k3.nvidia.evals.tiny import config_named  # noqa: E402
 from vllm.models.kimi_k3.nvidia.latency_specialized.config import PRESETS  # noqa: E402
 from vllm.models.kimi_k3.nvidia.latency_specialized.evidence import write_record  # noqa: E402
@@ -51,10 +51,10 @@ ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 KERNEL_DIR = "vllm/models/kimi_k3/nvidia/kernels/"
 TEST_FILE = "vllm/models/kimi_k3/nvidia/tests/test_norm_kernels.py"
 SOURCES = {
-    "norm": (KERNEL_DIR + "rms_norm.py", TEST_FILE),
-    "attn_res": (KERNEL_DIR + "rms_norm.py", KERNEL_DIR + "attn_res.py", TEST_FILE,
+    "norm": (KERNEL_DIR + "rms_norm.py", KERNEL_DIR + "rows.py", TEST_FILE),
+    "attn_res": (KERNEL_DIR + "rows.py", KERNEL_DIR + "attn_res.py", TEST_FILE,
                  "vllm/models/kimi_k3/nvidia/tests/test_pdl_order.py"),  # late_copy, in the PDL cases
-    "embedding": (KERNEL_DIR + "rms_norm.py", KERNEL_DIR + "embedding.py", TEST_FILE),
+    "embedding": (KERNEL_DIR + "rows.py", KERNEL_DIR + "embedding.py", TEST_FILE),
 }
 
 
@@ -184,19 +184,19 @@ def test_embedding_envelope_errors(case, match):
 
 
 def test_tilings_cover_the_envelope():
-    for d in range(rms_norm.VEC, rms_norm.MAX_WIDTH + 1, rms_norm.VEC):
+    for d in range(VEC, MAX_WIDTH + 1, VEC):
         p = rms_norm.RmsNormPlan.for_width(d, d, d)
-        assert p.vecs * p.threads * rms_norm.VEC >= d and p.threads % 32 == 0 and p.threads <= 256
+        assert p.vecs * p.threads * VEC >= d and p.threads % 32 == 0 and p.threads <= 256
         # whole vectors of spare threads only: fewer vectors per thread would not fit 256 threads
-        assert p.vecs == 1 or (p.vecs - 1) * 256 * rms_norm.VEC < d
-        assert p.exact == (p.vecs * p.threads * rms_norm.VEC == d)
+        assert p.vecs == 1 or (p.vecs - 1) * 256 * VEC < d
+        assert p.exact == (p.vecs * p.threads * VEC == d)
     assert all(rms_norm.RmsNormPlan.for_width(d, d, d).exact for d in rms_norm.NORM_WIDTHS)
     for t in attn_res.TILINGS.values():
         assert t.covers(H)
-    for m in range(1, rms_norm.MAX_ROWS + 1):
+    for m in range(1, MAX_ROWS + 1):
         t = attn_res.choose_tiling(m, 132)
         assert t.covers(H) and t.exact(H) and t.split >= 2 and (m * t.split <= 132 or t.split == 2)
-    for h in range(rms_norm.VEC, attn_res.MAX_SMALL_HIDDEN + 1, rms_norm.VEC):
+    for h in range(VEC, attn_res.MAX_SMALL_HIDDEN + 1, VEC):
         t = attn_res.choose_tiling(1, 132, h)
         assert t.split == 1 and t.vecs == 1 and t.covers(h) and t.exact(h) == (h % 256 == 0)
 

@@ -35,7 +35,7 @@ from cutlass import BFloat16, Int32, Int64  # noqa: E402
 
 from vllm.models.kimi_k3.nvidia.kernels import skinny_gemm  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.device import facts  # noqa: E402
-from vllm.models.kimi_k3.nvidia.kernels.rms_norm import current_stream, gmem_ptr  # noqa: E402
+from vllm.models.kimi_k3.nvidia.kernels.rows import current_stream, gmem_ptr  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.skinny_gemm import Tiling, WgmmaTiling, pick_tiling  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.ops import BF16, F32, bf16_add, linear  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_kernel_test  # noqa: E402
