@@ -19,9 +19,10 @@ contiguous, 16-byte aligned (ids and w 4-byte), one CUDA device. One thread owns
 one row (16-byte loads and stores); nothing else is fused. A thread issues all k of its o loads
 before the first add, so they take one memory latency, not k in a row (the validity branch
 around each add kept every load behind the previous pick's sum before). A PDL dependent of the
-down pass that waits before its first load (it has no weights); on 2026-12-04 such waiting-only
-dependents, all at once and with the GEMMs prefetching one W chunk, cost the step more than they
-hid, so this one is judged on its own (kernels/MEASURED.md).
+down pass that waits before its first load (it has no weights): with the other small kernels made
+dependents too, the TP16 rows-1 step took 1391 µs against 1463 (H100, 2026-12-06, MEASURED.md),
+where on 2026-12-04, before AttnRes and the GEMMs loaded weights ahead of their waits, such
+dependents had cost it more than they hid.
 """
 
 from __future__ import annotations
