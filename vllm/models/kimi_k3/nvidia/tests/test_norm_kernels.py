@@ -40,7 +40,7 @@ from vllm.models.kimi_k3.nvidia.reference.collective import SingleRank  # noqa: 
 from vllm.models.kimi_k3.nvidia.reference.model import embed  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.ops import bf16_add  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.ops import rms_norm as rms_norm_ref  # noqa: E402
-from vllm.models.kimi_k3.nvidia.tests._pdl import check_pdl_order  # noqa: E402
+from vllm.models.kimi_k3.nvidia.tests._pdl import check_pdl_order, late_copy, warmed  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._util import DISTRIBUTIONS, draw, rel_err  # noqa: E402
 
 H = attn_res.HIDDEN
@@ -53,7 +53,7 @@ TEST_FILE = "vllm/models/kimi_k3/nvidia/tests/test_norm_kernels.py"
 SOURCES = {
     "norm": (KERNEL_DIR + "rms_norm.py", KERNEL_DIR + "rows.py", TEST_FILE),
     "attn_res": (KERNEL_DIR + "rows.py", KERNEL_DIR + "attn_res.py", TEST_FILE,
-                 "vllm/models/kimi_k3/nvidia/tests/test_pdl_order.py"),  # late_copy, in the PDL cases
+                 "vllm/models/kimi_k3/nvidia/tests/_pdl.py"),  # late_copy, in the PDL cases
     "embedding": (KERNEL_DIR + "rows.py", KERNEL_DIR + "embedding.py", TEST_FILE),
 }
 
@@ -444,12 +444,10 @@ def test_attn_res_every_tiling_and_repeatable(split, evidence):
 def test_attn_res_reads_what_the_kernel_before_writes(m, late, graphed, evidence):
     """Launched as a PDL dependent, AttnRes may start while the kernel before it still runs, and
     may read only its weights then. A producer that releases its dependents at once, spins about
-    1 ms and then writes one activation (`test_pdl_order.late_copy`, whose window
+    1 ms and then writes one activation (`_pdl.late_copy`, whose window
     `test_window_exists` proves) must not be outrun: a block slot (layer 0 reads the embedding its
     kernel has just written), the prefix (the attention output that starts a block) or the addend
     (the sub-layer output the other calls add). M = 1 and 64 run the 7- and 2-CTA clusters."""
-    from vllm.models.kimi_k3.nvidia.tests.test_pdl_order import late_copy, warmed
-
     gen = torch.Generator(device="cuda").manual_seed(6000 + m + ("block slot", "prefix", "addend").index(late))
     blocks = torch.stack([draw("normal", (m, H), gen, "cuda") * (j + 1) for j in range(2)])  # slots contiguous
     prefix, addend = draw("normal", (m, H), gen, "cuda"), draw("normal", (m, H), gen, "cuda")
