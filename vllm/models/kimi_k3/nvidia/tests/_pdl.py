@@ -5,6 +5,7 @@ window) and `warmed`, a step run once and returned eager or captured in a CUDA g
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Callable
 
@@ -65,17 +66,18 @@ def compile_late_copy(arch: str, ptx_dir: str | None = None) -> Any:
                         options=f"--gpu-arch {arch}" + (f" --keep-ptx --dump-dir {ptx_dir}" if ptx_dir else ""))
 
 
-_LATE_COPY: dict[str, Any] = {}
+@functools.cache
+def compiled(compile_for: Callable[[str], Any], arch: str) -> Any:
+    """`compile_for(arch)`, compiled once a process (a GPU test's helper kernels)."""
+    return compile_for(arch)
 
 
 def late_copy(src: torch.Tensor, dst: torch.Tensor) -> None:
     """dst ← src (bf16, contiguous) after DELAY_CYCLES, its dependents released at once."""
     assert src.dtype == dst.dtype == torch.bfloat16 and src.is_contiguous() and dst.is_contiguous() and src.shape == dst.shape
-    arch = facts(src.device).arch
-    if arch not in _LATE_COPY:
-        _LATE_COPY[arch] = compile_late_copy(arch)
-    _LATE_COPY[arch](gmem_ptr(BFloat16, src.data_ptr()), gmem_ptr(BFloat16, dst.data_ptr()), src.numel(),
-                        DELAY_CYCLES, current_stream(src.device, None))
+    compiled(compile_late_copy, facts(src.device).arch)(
+        gmem_ptr(BFloat16, src.data_ptr()), gmem_ptr(BFloat16, dst.data_ptr()), src.numel(), DELAY_CYCLES,
+        current_stream(src.device, None))
 
 
 def warmed(step: Callable[[], None], graphed: bool) -> Callable[[], None]:

@@ -44,6 +44,7 @@ from vllm.models.kimi_k3.nvidia.tests._pdl import (  # noqa: E402
     DELAY_CYCLES,
     THREADS,
     compile_late_copy,
+    compiled,
     late_copy,
     warmed,
 )
@@ -101,16 +102,6 @@ def test_helpers_compile_with_the_window_in_place(tmp_path):
 
 # ---------------------------------------------------------------- GPU checks
 
-_EARLY_READ: dict[str, Any] = {}
-
-
-def _early_read() -> Any:
-    arch = facts(torch.device("cuda")).arch
-    if arch not in _EARLY_READ:
-        _EARLY_READ[arch] = _compile_early_read(arch)
-    return _EARLY_READ[arch]
-
-
 @pytest.fixture(scope="module")
 def evidence():
     results: list[dict] = []
@@ -133,8 +124,9 @@ def test_window_exists(evidence):
 
     def pair(src, dst):
         late_copy(src, dst)
-        _early_read()(gmem_ptr(BFloat16, dst.data_ptr()), gmem_ptr(BFloat16, before.data_ptr()),
-                              gmem_ptr(BFloat16, after.data_ptr()), n, current_stream(x.device, None))
+        compiled(_compile_early_read, facts(x.device).arch)(
+            gmem_ptr(BFloat16, dst.data_ptr()), gmem_ptr(BFloat16, before.data_ptr()),
+            gmem_ptr(BFloat16, after.data_ptr()), n, current_stream(x.device, None))
 
     # a first launch loads each kernel's module, which may take the host longer than the producer
     # spins: the H100's first run, without this, found no window. The GEMM cases warm up too
