@@ -43,7 +43,7 @@ from .bench_norms import launch_floor_us
 from .bench_skinny_gemm import copy_bandwidth_TBps, require_cuda, time_graph
 
 SOURCES = ("vllm/models/kimi_k3/nvidia/kernels/kda_decode.py",
-           "vllm/models/kimi_k3/nvidia/kernels/rms_norm.py",
+           "vllm/models/kimi_k3/nvidia/kernels/rows.py",
            "vllm/models/kimi_k3/nvidia/benchmarks/bench_kda_decode.py")
 HEADS = {"tp16": 6, "tp8": 12}
 ROWS = {1: (1, 2, 4, 8, 16, 32, 64), 8: (8, 16, 32, 64)}

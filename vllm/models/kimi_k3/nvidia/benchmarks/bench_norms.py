@@ -43,9 +43,9 @@ from .bench_skinny_gemm import copy_bandwidth_TBps, require_cuda, time_graph
 
 KERNELS = "vllm/models/kimi_k3/nvidia/kernels/"
 SOURCES = {
-    "norm": (KERNELS + "rms_norm.py",),
-    "attn_res": (KERNELS + "rms_norm.py", KERNELS + "attn_res.py"),
-    "embedding": (KERNELS + "rms_norm.py", KERNELS + "embedding.py"),
+    "norm": (KERNELS + "rms_norm.py", KERNELS + "rows.py"),
+    "attn_res": (KERNELS + "rows.py", KERNELS + "attn_res.py"),
+    "embedding": (KERNELS + "rows.py", KERNELS + "embedding.py"),
 }
 THIS = "vllm/models/kimi_k3/nvidia/benchmarks/bench_norms.py"
 COLD_BYTES = 192 * 2**20

@@ -30,7 +30,7 @@ from cutlass import BFloat16, Int32
 from ..kernels import moe_experts
 from ..kernels.device import facts
 from ..kernels.moe_experts import ExpertTiling
-from ..kernels.rms_norm import gmem_ptr
+from ..kernels.rows import gmem_ptr
 from ..latency_specialized.config import PRESETS
 from ..reference.dense_mlp import activation_clips
 from .bench_moe import expert_weights, uniform_routing

@@ -36,6 +36,14 @@ every CTA of the row computes bit-identical softmax weights); the output norm ne
 (a single value). split > 1 keeps more SMs pulling at small M. The cluster's start-up barrier is
 armed before the loads and waited on after them, so it costs no latency.
 
+PDL: launched as a dependent of the kernel before it (like the skinny GEMM), so its clusters are
+placed and its weights γ, w, g (constants of the graph) loaded while that kernel finishes; then
+`griddepcontrol.wait`, and only after it any read of an activation (block slots, prefix, addend)
+or write. The wait covers every kernel the launch depends on, not only the one before: each PDL
+dependent of the step waits in at least one CTA before it can finish (in every CTA but the MoE
+down pass's non-leaders, which read only the ids, and the combine after them waits in every CTA),
+so no grid finishes before those it depends on; the graph lanes join before the next AttnRes.
+
 The host `launch` checks the envelope before touching the GPU, compiles once per static variant
 (which inputs are present, strides, n_blocks, tiling, arch), then only launches, on an explicit
 stream (CUDA-graph capturable).
@@ -53,7 +61,7 @@ import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32, const_expr
 
 from .device import facts
-from .rms_norm import (
+from .rows import (
     VEC,
     block_sums,
     check_devices,
@@ -135,6 +143,19 @@ class AttnResPlan:
         return self.n_blocks + int(self.has_prefix)
 
 
+@cute.jit
+def _load_row_vectors(view: cute.Tensor, row: Int32, col0: Int32, threads: Constexpr, vecs: Constexpr, ok: list,
+             exact: Constexpr) -> cute.Tensor:
+    """This thread's `vecs` vectors of `row` of a `row_vectors` view, in registers (zeros where a
+    spare lane has none). `ok[v]`: whether vector v exists (True, or a DSL predicate)."""
+    regs = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
+    if const_expr(not exact):
+        regs.fill(0.0)
+    for v in cutlass.range_constexpr(vecs):
+        copy_if(view[(0, None), (row, col0 + v * threads)], regs[None, v], ok[v], exact)
+    return regs
+
+
 @cute.kernel
 def _attn_res_kernel(blk_ptr: cute.Pointer, pre_ptr: cute.Pointer, add_ptr: cute.Pointer, live_ptr: cute.Pointer,
                      nw_ptr: cute.Pointer, pw_ptr: cute.Pointer, ow_ptr: cute.Pointer, out_ptr: cute.Pointer,
@@ -154,6 +175,18 @@ def _attn_res_kernel(blk_ptr: cute.Pointer, pre_ptr: cute.Pointer, add_ptr: cute
     if const_expr(not exact):
         ok = [tid + v * threads < h // VEC // split for v in range(vecs)]
 
+    smem = cutlass.memory.SmemAllocator()
+    warps = threads // 32
+    # the weights are the graph's constants, so they load while the previous kernel finishes; every
+    # activation (sources, prefix, addend) is read, and every output written, after the wait
+    if const_expr(n_src > 1):
+        nwr = _load_row_vectors(row_vectors(nw_ptr, 1, h, h), 0, col0, threads, vecs, ok, exact)
+        pwr = _load_row_vectors(row_vectors(pw_ptr, 1, h, h), 0, col0, threads, vecs, ok, exact)
+    if const_expr(plan.has_out_norm):
+        owr = _load_row_vectors(row_vectors(ow_ptr, 1, h, h), 0, col0, threads, vecs, ok, exact)
+
+    cute.arch.griddepcontrol_wait()
+
     src = cute.make_rmem_tensor(cute.make_layout((VEC, vecs, n_src)), BFloat16)
     if const_expr(not exact):
         src.fill(0.0)  # spare vectors add nothing to the sums
@@ -168,15 +201,8 @@ def _attn_res_kernel(blk_ptr: cute.Pointer, pre_ptr: cute.Pointer, add_ptr: cute
     if const_expr(plan.has_prefix):
         pre = row_vectors(pre_ptr, m, h, plan.prefix_stride)
         if const_expr(plan.has_addend):
-            add = row_vectors(add_ptr, m, h, plan.addend_stride)
-            pr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
-            ad = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
-            if const_expr(not exact):
-                pr.fill(0.0)
-                ad.fill(0.0)
-            for v in cutlass.range_constexpr(vecs):
-                copy_if(pre[(0, None), (row, col0 + v * threads)], pr[None, v], ok[v], exact)
-                copy_if(add[(0, None), (row, col0 + v * threads)], ad[None, v], ok[v], exact)
+            pr = _load_row_vectors(pre, row, col0, threads, vecs, ok, exact)
+            ad = _load_row_vectors(row_vectors(add_ptr, m, h, plan.addend_stride), row, col0, threads, vecs, ok, exact)
             src[None, None, n_src - 1].store((pr.load().to(Float32) + ad.load().to(Float32)).to(BFloat16))
             if const_expr(plan.has_live_out):
                 live = row_vectors(live_ptr, m, h, plan.live_stride)
@@ -185,27 +211,6 @@ def _attn_res_kernel(blk_ptr: cute.Pointer, pre_ptr: cute.Pointer, add_ptr: cute
         else:
             for v in cutlass.range_constexpr(vecs):
                 copy_if(pre[(0, None), (row, col0 + v * threads)], src[None, v, n_src - 1], ok[v], exact)
-
-    smem = cutlass.memory.SmemAllocator()
-    warps = threads // 32
-    if const_expr(n_src > 1):
-        nw = row_vectors(nw_ptr, 1, h, h)
-        pw = row_vectors(pw_ptr, 1, h, h)
-        nwr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
-        pwr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
-        if const_expr(not exact):
-            nwr.fill(0.0)
-            pwr.fill(0.0)
-        for v in cutlass.range_constexpr(vecs):
-            copy_if(nw[(0, None), (0, col0 + v * threads)], nwr[None, v], ok[v], exact)
-            copy_if(pw[(0, None), (0, col0 + v * threads)], pwr[None, v], ok[v], exact)
-    if const_expr(plan.has_out_norm):
-        ow = row_vectors(ow_ptr, 1, h, h)
-        owr = cute.make_rmem_tensor(cute.make_layout((VEC, vecs)), BFloat16)
-        if const_expr(not exact):
-            owr.fill(0.0)
-        for v in cutlass.range_constexpr(vecs):
-            copy_if(ow[(0, None), (0, col0 + v * threads)], owr[None, v], ok[v], exact)
 
     if const_expr(n_src > 1):
         n_sums = 2 * n_src
@@ -270,9 +275,10 @@ def _attn_res_host(blk_ptr: cute.Pointer, pre_ptr: cute.Pointer, add_ptr: cute.P
     kernel = _attn_res_kernel(blk_ptr, pre_ptr, add_ptr, live_ptr, nw_ptr, pw_ptr, ow_ptr, out_ptr, mix_ptr,
                               m, eps, out_eps, plan)
     if const_expr(t.split > 1):
-        kernel.launch(grid=(t.split, m, 1), block=(t.threads, 1, 1), cluster=(t.split, 1, 1), stream=stream)
+        kernel.launch(grid=(t.split, m, 1), block=(t.threads, 1, 1), cluster=(t.split, 1, 1), stream=stream,
+                      use_pdl=True)
     else:
-        kernel.launch(grid=(1, m, 1), block=(t.threads, 1, 1), stream=stream)
+        kernel.launch(grid=(1, m, 1), block=(t.threads, 1, 1), stream=stream, use_pdl=True)
 
 
 def compile_attn_res(plan: AttnResPlan, arch: str, ptx_dir: str | None = None) -> Any:

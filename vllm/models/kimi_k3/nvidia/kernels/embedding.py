@@ -33,7 +33,7 @@ import torch
 from cutlass import BFloat16, Constexpr, Int32, Int64
 
 from .device import facts
-from .rms_norm import (
+from .rows import (
     MAX_WIDTH,
     VEC,
     check_devices,

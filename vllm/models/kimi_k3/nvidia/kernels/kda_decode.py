@@ -49,7 +49,7 @@ Design (memory-bound: each value row of S is read once and written once per toke
   channels for all q tokens (a lane holds 4 channels and slides the window over the tokens),
   rounds, and L2-normalizes with a warp sum; warp 2 computes α and β; warp 3 the conv of the
   CTA's own v channels. Results go to shared memory; one barrier; then the token loop.
-- The q tokens' Σ o² meet once, after the loop, in `rms_norm.block_sums` (shared memory,
+- The q tokens' Σ o² meet once, after the loop, in `rows.block_sums` (shared memory,
   then distributed shared memory across the cluster, fixed order). The cluster barrier inside it
   also orders every CTA's reads of the old conv taps before the conv state is rewritten; each
   CTA rewrites only its share of the head's channels (its 128/split channels of q, k and v).
@@ -59,6 +59,9 @@ Design (memory-bound: each value row of S is read once and written once per toke
   out) that an fp32 difference tips the other way.
 - Split (CTAs per (request, head), 2, 4 or 8; 128/split value rows and 8·128/split threads
   each): `choose_split`, an unmeasured heuristic (the fewest that still give two CTAs per SM).
+
+PDL (as `attn_res`): launched as a dependent of the kernel before it, waiting before its first
+load: the slots, z, g_raw and both states are all this step's or the previous step's.
 
 The host `launch` checks the envelope before touching the GPU, compiles once per static
 variant (heads, q, max_q, strides, split, arch), then only launches, on an explicit stream
@@ -77,7 +80,7 @@ import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32
 
 from .device import facts
-from .rms_norm import block_sums, current_stream, gmem_ptr, pow2_at_least
+from .rows import block_sums, current_stream, gmem_ptr, pow2_at_least
 
 HEAD_DIM = 128
 CONV_WIDTH = 4
@@ -265,6 +268,7 @@ def _kda_decode_kernel(z_ptr: cute.Pointer, graw_ptr: cute.Pointer, convw_ptr: c
     v_v = cute.zipped_divide(v_s, (1, 4))
     o_v = cute.zipped_divide(o_s, (1, 8))
 
+    cute.arch.griddepcontrol_wait()
     cslot = conv_slots[req]
     rslot = read_slots[req]
     first = rec_slots[req, 0]
@@ -396,7 +400,7 @@ def _kda_decode_host(z_ptr: cute.Pointer, graw_ptr: cute.Pointer, convw_ptr: cut
                        read_slot_ptr, rec_slots_ptr, accepted_ptr, out_ptr, requests, rec_pool, conv_pool,
                        lower_bound, plan).launch(
         grid=(plan.split, plan.heads, requests), block=(plan.threads, 1, 1), cluster=(plan.split, 1, 1),
-        stream=stream)
+        stream=stream, use_pdl=True)
 
 
 def compile_kda_decode(plan: KdaDecodePlan, arch: str, ptx_dir: str | None = None) -> Any:

@@ -23,9 +23,12 @@ optional latent output into one read of the GEMM row and one write of the cache 
 
 Design: one CTA of 64 threads (two warps) per row. Thread t holds 16-byte vector t of kv_c and
 of γ in registers; threads 0..7 also carry one vector of k_pe. The sum of squares goes through
-`rms_norm.block_sums` (butterfly, then the two warps through shared memory), every thread then
+`rows.block_sums` (butterfly, then the two warps through shared memory), every thread then
 scales its vector and stores it to the cache row (and latent_out) with one 16-byte store each.
 The slot is read once per thread (an L1 broadcast); the cache row address is formed in 64 bits.
+
+PDL (as `attn_res`): launched as a dependent of the kernel before it, γ (a constant of the graph)
+loaded before `griddepcontrol.wait`; kv_c, k_pe and the slots read, and everything written, after it.
 
 The host `launch` checks the envelope before touching the GPU, compiles once per (row strides,
 latent_out given, arch), then only launches, on an explicit stream (CUDA-graph capturable).
@@ -42,7 +45,7 @@ import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, const_expr
 
 from .device import facts
-from .rms_norm import (
+from .rows import (
     VEC,
     check_devices,
     check_row_count,
@@ -87,10 +90,11 @@ def _mla_cache_write_kernel(kv_ptr: cute.Pointer, pe_ptr: cute.Pointer, w_ptr: c
     xr = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
     wr = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
     pr = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
+    cute.autovec_copy(w[(0, None), (0, tid)], wr)
+    cute.arch.griddepcontrol_wait()  # γ is a constant of the graph; kv_c, k_pe and the slots are this step's
     cute.autovec_copy(kv[(0, None), (row, tid)], xr)
     if tid < PE_VECS:
         cute.autovec_copy(pe[(0, None), (row, tid)], pr)
-    cute.autovec_copy(w[(0, None), (0, tid)], wr)
     slot = slots[row]
 
     xf = xr.load().to(Float32)
@@ -117,7 +121,7 @@ def _mla_cache_write_host(kv_ptr: cute.Pointer, pe_ptr: cute.Pointer, w_ptr: cut
                           cache_ptr: cute.Pointer, out_ptr: cute.Pointer, m: Int32, cache_rows: Int64,
                           eps: Float32, stream: cuda.CUstream, plan: Constexpr):
     _mla_cache_write_kernel(kv_ptr, pe_ptr, w_ptr, slot_ptr, cache_ptr, out_ptr, m, cache_rows, eps, plan).launch(
-        grid=(m, 1, 1), block=(THREADS, 1, 1), stream=stream)
+        grid=(m, 1, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
 
 
 def compile_mla_cache_write(plan: CacheWritePlan, arch: str, ptx_dir: str | None = None) -> Any:

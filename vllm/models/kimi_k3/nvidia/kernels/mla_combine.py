@@ -39,7 +39,7 @@ import cutlass
 import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32
-from .rms_norm import gmem_ptr
+from .rows import gmem_ptr
 
 LATENT = 512
 # warps, and the splits a warp loads at once: the combine is latency-bound (one round trip per

@@ -96,7 +96,7 @@ from cutlass import BFloat16, Constexpr, Float32, Int32, Int64
 
 from . import mla_combine
 from .device import DeviceFacts, facts
-from .rms_norm import gmem_ptr
+from .rows import gmem_ptr
 
 LATENT = 512  # r_kv: the value width
 ROW = 576  # r_kv + d_r: one cache row, one q_lat row

@@ -43,7 +43,7 @@ from cutlass.tensor_utils import LayoutEnum  # cutlass.utils.LayoutEnum is depre
 from . import mla_combine
 from .mla_decode import (LATENT, ROW, ROW_VECS, VEC, _chunk_rows, _claim, _first_chunk_early, _issue_chunk, _publish,
                          _quad_max, _quad_sum)
-from .rms_norm import gmem_ptr
+from .rows import gmem_ptr
 
 ARCHS = ("sm_90a",)
 TILE_ROWS = 64  # one wgmma M tile of query rows

@@ -18,8 +18,11 @@ Envelope: o [≥ M·k, H] bf16 (the pick-major expert outputs of kernels/moe_exp
 contiguous, 16-byte aligned (ids and w 4-byte), one CUDA device. One thread owns 8 columns of
 one row (16-byte loads and stores); nothing else is fused. A thread issues all k of its o loads
 before the first add, so they take one memory latency, not k in a row (the validity branch
-around each add kept every load behind the previous pick's sum before). A plain launch: a PDL
-dependent that only waits cost the whole step more than it hid (kernels/MEASURED.md, 2026-12-04).
+around each add kept every load behind the previous pick's sum before). A PDL dependent of the
+down pass that waits before its first load (it has no weights): with the other small kernels made
+dependents too, the TP16 rows-1 step took 1391 µs against 1463 (H100, 2026-12-06, MEASURED.md),
+where on 2026-12-04, before AttnRes and the GEMMs loaded weights ahead of their waits, such
+dependents had cost it more than they hid.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ import cutlass.cute as cute
 import torch
 from cutlass import BFloat16, Constexpr, Float32, Int32
 from .device import facts
-from .rms_norm import gmem_ptr
+from .rows import gmem_ptr
 
 MAX_ROWS = 64
 MAX_TOP_K = 32
@@ -55,6 +58,7 @@ def _combine_kernel(o_ptr: cute.Pointer, ids_ptr: cute.Pointer, w_ptr: cute.Poin
     y_vec = cute.zipped_divide(cute.make_tensor(y_ptr, cute.make_layout((m, h), stride=(h, 1))), (1, 8))
     ids = cute.make_tensor(ids_ptr, cute.make_layout(m * top_k))
     wts = cute.make_tensor(w_ptr, cute.make_layout(m * top_k))
+    cute.arch.griddepcontrol_wait()
     if vec < h // 8:
         row_ids = cute.make_rmem_tensor(cute.make_layout(top_k), Int32)
         row_w = cute.make_rmem_tensor(cute.make_layout(top_k), Float32)
@@ -90,7 +94,7 @@ def _combine_kernel(o_ptr: cute.Pointer, ids_ptr: cute.Pointer, w_ptr: cute.Poin
 def _combine_host(o_ptr: cute.Pointer, ids_ptr: cute.Pointer, w_ptr: cute.Pointer, y_ptr: cute.Pointer,
                   m: Int32, stream: cuda.CUstream, n_experts: Constexpr, top_k: Constexpr, h: Constexpr):
     _combine_kernel(o_ptr, ids_ptr, w_ptr, y_ptr, m, n_experts, top_k, h).launch(
-        grid=(m, (h // 8 + THREADS - 1) // THREADS, 1), block=(THREADS, 1, 1), stream=stream)
+        grid=(m, (h // 8 + THREADS - 1) // THREADS, 1), block=(THREADS, 1, 1), stream=stream, use_pdl=True)
 
 
 

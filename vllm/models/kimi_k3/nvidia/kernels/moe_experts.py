@@ -64,7 +64,7 @@ from cutlass import BFloat16, Constexpr, Float32, Int32, Int64, const_expr
 
 from . import moe_combine
 from .device import DeviceFacts, facts
-from .rms_norm import gmem_ptr
+from .rows import gmem_ptr
 from .skinny_gemm import mma_registers, mma_step
 
 MAX_ROWS = 64

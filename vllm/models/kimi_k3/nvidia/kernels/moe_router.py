@@ -22,9 +22,11 @@ int32 in selection order (what kernels/moe_experts.py takes).
 
 Design: one warp (one CTA) per row; lane l owns experts l + 32·i (i < E/32, a compile-time
 count). Every register index is a compile-time constant, so nothing goes to local memory.
-- Prologue: all 2·E/32 loads (logits, bias) are issued first, then σ per key. (The previous
-  design interleaved them, and each σ's IEEE division has a slow-path branch that the loads
-  were not hoisted across: 28 load latencies in a row at K3's shape.)
+- Prologue: a PDL dependent of the router GEMM (as `attn_res`): the bias (a constant of the
+  graph) is loaded before `griddepcontrol.wait`, the logits after it; all 2·E/32 loads are
+  issued before σ per key. (The previous design interleaved them, and each σ's IEEE division
+  has a slow-path branch that the loads were not hoisted across: 28 load latencies in a row at
+  K3's shape.)
 - Keys become int32 codes whose signed order is the order above: a live key's fp32 bits
   (sign, magnitude) map to ±magnitude (monotone; −0 and +0 meet at 0; −∞ is −0x7F800000),
   a NaN key to INT_MIN + 1, a taken key to INT_MIN. On equal codes the lower expert index
@@ -52,7 +54,7 @@ import torch
 from cutlass import Constexpr, Float32, Int32, const_expr
 from cutlass._mlir.dialects import arith
 from .device import facts
-from .rms_norm import gmem_ptr
+from .rows import gmem_ptr
 
 MAX_ROWS = 64
 MAX_EXPERTS = 1024
@@ -119,8 +121,10 @@ def _router_kernel(logits_ptr: cute.Pointer, bias_ptr: cute.Pointer, w_ptr: cute
     lg = cute.make_rmem_tensor(cute.make_layout(per_lane), Float32)
     bs = cute.make_rmem_tensor(cute.make_layout(per_lane), Float32)
     for i in cutlass.range_constexpr(per_lane):
-        lg[i] = logits[row, lane + 32 * i]
         bs[i] = bias[lane + 32 * i]
+    cute.arch.griddepcontrol_wait()  # the bias is a constant of the graph; the logits are the router GEMM's
+    for i in cutlass.range_constexpr(per_lane):
+        lg[i] = logits[row, lane + 32 * i]
     code = cute.make_rmem_tensor(cute.make_layout(per_lane), Int32)
     for i in cutlass.range_constexpr(per_lane):
         s = Float32(1.0) / (Float32(1.0) + cute.math.exp(-lg[i]))
@@ -158,7 +162,7 @@ def _router_host(logits_ptr: cute.Pointer, bias_ptr: cute.Pointer, w_ptr: cute.P
                  m: Int32, stream: cuda.CUstream, n_experts: Constexpr, top_k: Constexpr,
                  renormalize: Constexpr, scale: Constexpr):
     _router_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, m, n_experts, top_k, renormalize, scale).launch(
-        grid=(m, 1, 1), block=(32, 1, 1), stream=stream)
+        grid=(m, 1, 1), block=(32, 1, 1), stream=stream, use_pdl=True)
 
 
 

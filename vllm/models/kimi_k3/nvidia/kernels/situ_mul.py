@@ -14,6 +14,9 @@ Design: it replaces a dozen PyTorch elementwise launches of the decode step by o
 takes 8 outputs: one 16-byte vector of g and the matching one of u; CTAs of 128 threads tile
 each row, rows on the grid's y, a bounds check on the last tile.
 
+PDL (as `attn_res`): launched as a dependent of the kernel before it, waiting first (it has no weights):
+the launch and the CTAs' placement overlap the GEMM before it.
+
 The host `launch` checks the envelope before touching the GPU, compiles once per (I, row
 strides, β, λ, arch), then only launches, on an explicit stream (CUDA-graph capturable).
 """
@@ -31,7 +34,7 @@ from cutlass import BFloat16, Constexpr, Float32, Int32
 
 from .device import facts
 from .moe_experts import situ
-from .rms_norm import VEC, check_devices, check_row_count, check_rows, current_stream, gmem_ptr, need, \
+from .rows import VEC, check_devices, check_row_count, check_rows, current_stream, gmem_ptr, need, \
     row_vectors
 
 THREADS = 128
@@ -58,6 +61,7 @@ def _situ_mul_kernel(x_ptr: cute.Pointer, out_ptr: cute.Pointer, m: Int32, plan:
     x = row_vectors(x_ptr, m, 2 * plan.width, plan.in_stride)
     out = row_vectors(out_ptr, m, plan.width, plan.out_stride)
     v = tile * THREADS + tid
+    cute.arch.griddepcontrol_wait()
     if v < plan.width // VEC:
         g = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
         u = cute.make_rmem_tensor(cute.make_layout(VEC), BFloat16)
@@ -71,7 +75,8 @@ def _situ_mul_kernel(x_ptr: cute.Pointer, out_ptr: cute.Pointer, m: Int32, plan:
 
 @cute.jit
 def _situ_mul_host(x_ptr: cute.Pointer, out_ptr: cute.Pointer, m: Int32, stream: cuda.CUstream, plan: Constexpr):
-    _situ_mul_kernel(x_ptr, out_ptr, m, plan).launch(grid=(plan.tiles, m, 1), block=(THREADS, 1, 1), stream=stream)
+    _situ_mul_kernel(x_ptr, out_ptr, m, plan).launch(grid=(plan.tiles, m, 1), block=(THREADS, 1, 1), stream=stream,
+                                                      use_pdl=True)
 
 
 def compile_situ_mul(plan: SituPlan, arch: str, ptx_dir: str | None = None) -> Any:

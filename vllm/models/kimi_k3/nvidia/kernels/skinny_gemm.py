@@ -59,7 +59,7 @@ from cutlass import BFloat16, Constexpr, Float32, Int32, const_expr
 
 from .device import DeviceFacts, facts
 from .gemm_store import MAX_ROWS, split_workspace, store, sum_splits
-from .rms_norm import gmem_ptr
+from .rows import gmem_ptr
 from .skinny_gemm_wgmma import ARCHS as WGMMA_ARCHS
 from .skinny_gemm_wgmma import WgmmaTiling, choose_wgmma_tiling, compile_skinny_gemm_wgmma
 

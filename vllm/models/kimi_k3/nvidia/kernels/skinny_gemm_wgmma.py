@@ -40,7 +40,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, cpasync, warpgroup
 from cutlass.tensor_utils import LayoutEnum  # cutlass.utils.LayoutEnum is deprecated in 4.8
 
 from .gemm_store import split_workspace, store, sum_splits
-from .rms_norm import gmem_ptr
+from .rows import gmem_ptr
 
 TILE_K = 64  # one 128-byte swizzle row of bf16
 _THREADS = 128  # one warpgroup

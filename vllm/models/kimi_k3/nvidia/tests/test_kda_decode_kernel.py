@@ -40,6 +40,7 @@ from vllm.models.kimi_k3.nvidia.kernels.kda_decode import (  # noqa: E402
     KdaEnvelopeError,
 )
 from vllm.models.kimi_k3.nvidia.latency_specialized.config import preset  # noqa: E402
+from vllm.models.kimi_k3.nvidia.tests._pdl import check_pdl_order  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_kernel_test  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._util import DISTRIBUTIONS, draw, page_views, rel_err  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.collective import SingleRank  # noqa: E402
@@ -71,7 +72,7 @@ LONG_RUN_STEPS = 4096
 LONG_RUN_STATE_BOUND = 1e-3
 LONG_RUN_OUT_BOUND = 1e-2
 SOURCES = ("vllm/models/kimi_k3/nvidia/kernels/kda_decode.py",
-           "vllm/models/kimi_k3/nvidia/kernels/rms_norm.py",
+           "vllm/models/kimi_k3/nvidia/kernels/rows.py",
            "vllm/models/kimi_k3/nvidia/tests/test_kda_decode_kernel.py")
 TEST_FILE = SOURCES[-1]
 
@@ -333,6 +334,7 @@ def test_compiles_for_arch(arch, name, tmp_path):
     assert bfly.count("4") >= 3 * plan.q  # the three 8-lane row dots of every token
     assert "barrier.cluster.arrive.relaxed" in ptx and "barrier.cluster.wait" in ptx
     assert "st.shared::cluster.f32" in ptx and "mapa.shared::cluster" in ptx  # Σ o² pushed to the peers
+    check_pdl_order(ptx, 0)  # the slots, z, g_raw and the states are all this step's
     assert f".reqntid {plan.threads}, 1, 1" in ptx
     ptxas = shutil.which("ptxas")
     if arch == "sm_90a" and ptxas:

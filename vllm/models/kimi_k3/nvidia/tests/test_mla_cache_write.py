@@ -25,8 +25,9 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip 
 
 from vllm.models.kimi_k3.nvidia.kernels import mla_cache_write  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.mla_cache_write import CacheWritePlan  # noqa: E402
-from vllm.models.kimi_k3.nvidia.kernels.rms_norm import NormEnvelopeError  # noqa: E402
+from vllm.models.kimi_k3.nvidia.kernels.rows import NormEnvelopeError  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.ops import rms_norm as rms_norm_ref  # noqa: E402
+from vllm.models.kimi_k3.nvidia.tests._pdl import check_pdl_order  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_kernel_test  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._util import DISTRIBUTIONS, draw, rel_err  # noqa: E402
 
@@ -44,7 +45,7 @@ BLOCK_SIZES = (1, 16, 64)
 REL_ERR_BOUND = 1e-2
 ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 TEST_FILE = "vllm/models/kimi_k3/nvidia/tests/test_mla_cache_write.py"
-SOURCES = ("vllm/models/kimi_k3/nvidia/kernels/rms_norm.py", "vllm/models/kimi_k3/nvidia/kernels/mla_cache_write.py",
+SOURCES = ("vllm/models/kimi_k3/nvidia/kernels/rows.py", "vllm/models/kimi_k3/nvidia/kernels/mla_cache_write.py",
            TEST_FILE)
 
 
@@ -138,6 +139,7 @@ def test_compiles_for_arch(arch, name, tmp_path):
     assert len(re.findall(r"ld\.global\.b64", ptx)) == 1  # the slot
     assert not re.search(r"(ld|st)\.global\.(b|u|s)(16|8)\b", ptx), "narrow accesses of row data"
     assert re.search(r"\.s64\s+%rd\d+, %rd\d+, 1152,", ptx), "cache row offset not formed in 64 bits"
+    check_pdl_order(ptx, 1)  # γ's vector only
     assert "setp.lt.s64" in ptx  # negative slots are skipped
     assert not re.search(r"\b(ld|st)\.local", ptx), "registers spilled to local memory"
 

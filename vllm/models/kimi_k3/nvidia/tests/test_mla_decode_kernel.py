@@ -17,7 +17,7 @@ boundaries, 4097, 65536, one >= 262144), q = 1 and 8 and mixed, heads 6 / 12 / 9
 negative) with many splits and none, every `sweep_plans` variant with its own split policy,
 NaN-poisoned outputs, ‖out − ref‖ / ‖ref‖ under a bound;
 bit-identical repeats; CUDA-graph replay after the lengths change on the device; the queries
-or the step's own cache rows written late by a kernel still running (`test_pdl_order.late_copy`),
+or the step's own cache rows written late by a kernel still running (`_pdl.late_copy`),
 eager and graphed, on both kernels. With
 K3_EVIDENCE_DIR set the GPU results are written there as a "kernel-test" record.
 """
@@ -42,6 +42,7 @@ from vllm.models.kimi_k3.nvidia.kernels.cubin_resources import kernel_resources 
 from vllm.models.kimi_k3.nvidia.kernels.device import facts  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.mla_decode import DecodePlan, schedule  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_kernel_test  # noqa: E402
+from vllm.models.kimi_k3.nvidia.tests._pdl import late_copy, warmed  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._util import rel_err  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.mla import attend_absorbed  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.ops import acc_dtype  # noqa: E402
@@ -55,7 +56,7 @@ REL_ERR_BOUND = 5e-3
 SOURCES = ("vllm/models/kimi_k3/nvidia/kernels/mla_decode.py", "vllm/models/kimi_k3/nvidia/kernels/mla_decode_wgmma.py",
            "vllm/models/kimi_k3/nvidia/kernels/mla_combine.py",
            "vllm/models/kimi_k3/nvidia/tests/test_mla_decode_kernel.py",
-           "vllm/models/kimi_k3/nvidia/tests/test_pdl_order.py")
+           "vllm/models/kimi_k3/nvidia/tests/_pdl.py")
 
 
 # ---------------------------------------------------------------- problem construction
@@ -664,11 +665,9 @@ def test_reads_what_the_kernel_before_writes(heads, q, late, graphed, evidence):
     runs. It may request a chunk then only when the chunk holds none of the step's own tokens;
     the queries and the step's cache rows it must read after its wait. A producer that releases
     its dependents at once, spins about 1 ms and then writes the queries or the step's rows
-    (`test_pdl_order.late_copy`, whose window `test_window_exists` proves) must not be outrun.
+    (`_pdl.late_copy`, whose window `test_pdl_order.test_window_exists` proves) must not be outrun.
     Lengths 200 and 70 in 64-token chunks put a step's tokens in the last chunk of a split whose
     first chunk goes early. h 12 q 8 runs the wgmma kernel on sm_90a."""
-    from vllm.models.kimi_k3.nvidia.tests.test_pdl_order import late_copy, warmed
-
     b = Batch([200, 70], [q, q], heads, 64, "normal", 7 * heads + q, "cuda")
     gen = torch.Generator(device="cuda").manual_seed(11 * heads + q)
     if late == "queries":

@@ -33,6 +33,7 @@ from vllm.models.kimi_k3.nvidia.kernels import moe_combine, moe_experts, moe_rou
 from vllm.models.kimi_k3.nvidia.kernels.cubin_resources import kernel_resources  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.device import facts  # noqa: E402
 from vllm.models.kimi_k3.nvidia.latency_specialized.config import PRESETS  # noqa: E402
+from vllm.models.kimi_k3.nvidia.tests._pdl import check_pdl_order  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_kernel_test  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._util import DISTRIBUTIONS, draw  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.dense_mlp import activation_clips  # noqa: E402
@@ -338,6 +339,7 @@ def test_combine_compiles_for_arch(arch, tmp_path):
     first_add = ptx.index("fma.rn.f32")
     o_loads = [m.start() for m in re.finditer(r"ld\.global\.v4", ptx)]
     assert len(o_loads) == TOP_K and sum(a < first_add for a in o_loads) >= TOP_K - 1, (first_add, o_loads)
+    check_pdl_order(ptx, 0)  # it has no weights
 
 
 # ---------------------------------------------------------------- GPU checks
@@ -527,6 +529,7 @@ def test_router_compiles_for_arch(arch, n_experts, top_k, renormalize, tmp_path)
     assert not re.search(r"\b(ld|st)\.local", ptx), "the per-lane keys spilled to local memory"
     # Σ of the k weights in selection order (+1 where the shared-memory base is made warp-uniform)
     assert top_k <= ptx.count("shfl.sync.idx") <= top_k + 1
+    check_pdl_order(ptx, n_experts // 32)  # the correction bias's values of the lane, no logit
 
 
 @pytest.mark.gpu

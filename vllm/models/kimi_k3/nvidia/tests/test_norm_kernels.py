@@ -3,13 +3,15 @@ the reference (reference/ops.py, reference/attn_res.py, reference/model.py).
 
 CPU: envelope errors (raised before any CUDA use), tilings that cover every envelope shape, and
 compile checks for sm_90a, sm_100a and sm_103a whose PTX must show the design (16-byte global
-loads and stores, the cluster exchange where AttnRes splits a row, no local memory).
+loads and stores, the cluster exchange where AttnRes splits a row, no local memory, and AttnRes's
+PDL order: only its weights loaded before `griddepcontrol.wait`).
 GPU (marker `gpu`): every envelope width, M from 1 to 64, four input
 distributions (normal, heavy-tailed, large-magnitude, near-zero), outputs NaN-poisoned before
 the launch, ‖out − ref‖/‖ref‖ in fp32 under REL_ERR_BOUND (both sides are rounded to bf16 once,
 so they differ only where the fp32 values straddle a rounding boundary: at most one bf16 ulp,
 2^-8 relative, on those elements); the AttnRes prefix update and the embedding gather are exact
-and compared bit for bit; CUDA-graph capture and replay. With K3_EVIDENCE_DIR set the GPU
+and compared bit for bit; CUDA-graph capture and replay; AttnRes computing from an activation
+that the kernel before it writes late. With K3_EVIDENCE_DIR set the GPU
 results are written there as "kernel-test" records (families norm, attn_res, embedding).
 """
 
@@ -29,7 +31,7 @@ from vllm.models.kimi_k3.nvidia.kernels import (  # noqa: E402
     embedding,
     rms_norm,
 )
-from vllm.models.kimi_k3.nvidia.kernels.rms_norm import NormEnvelopeError  # noqa: E402
+from vllm.models.kimi_k3.nvidia.kernels.rows import MAX_ROWS, MAX_WIDTH, VEC, NormEnvelopeError  # noqa: E402
 from vllm.models.kimi_k3.nvidia.evals.tiny import config_named  # noqa: E402
 from vllm.models.kimi_k3.nvidia.latency_specialized.config import PRESETS  # noqa: E402
 from vllm.models.kimi_k3.nvidia.latency_specialized.evidence import write_record  # noqa: E402
@@ -38,6 +40,7 @@ from vllm.models.kimi_k3.nvidia.reference.collective import SingleRank  # noqa: 
 from vllm.models.kimi_k3.nvidia.reference.model import embed  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.ops import bf16_add  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.ops import rms_norm as rms_norm_ref  # noqa: E402
+from vllm.models.kimi_k3.nvidia.tests._pdl import check_pdl_order, late_copy, warmed  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._util import DISTRIBUTIONS, draw, rel_err  # noqa: E402
 
 H = attn_res.HIDDEN
@@ -48,9 +51,10 @@ ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 KERNEL_DIR = "vllm/models/kimi_k3/nvidia/kernels/"
 TEST_FILE = "vllm/models/kimi_k3/nvidia/tests/test_norm_kernels.py"
 SOURCES = {
-    "norm": (KERNEL_DIR + "rms_norm.py", TEST_FILE),
-    "attn_res": (KERNEL_DIR + "rms_norm.py", KERNEL_DIR + "attn_res.py", TEST_FILE),
-    "embedding": (KERNEL_DIR + "rms_norm.py", KERNEL_DIR + "embedding.py", TEST_FILE),
+    "norm": (KERNEL_DIR + "rms_norm.py", KERNEL_DIR + "rows.py", TEST_FILE),
+    "attn_res": (KERNEL_DIR + "rows.py", KERNEL_DIR + "attn_res.py", TEST_FILE,
+                 "vllm/models/kimi_k3/nvidia/tests/_pdl.py"),  # late_copy, in the PDL cases
+    "embedding": (KERNEL_DIR + "rows.py", KERNEL_DIR + "embedding.py", TEST_FILE),
 }
 
 
@@ -180,19 +184,19 @@ def test_embedding_envelope_errors(case, match):
 
 
 def test_tilings_cover_the_envelope():
-    for d in range(rms_norm.VEC, rms_norm.MAX_WIDTH + 1, rms_norm.VEC):
+    for d in range(VEC, MAX_WIDTH + 1, VEC):
         p = rms_norm.RmsNormPlan.for_width(d, d, d)
-        assert p.vecs * p.threads * rms_norm.VEC >= d and p.threads % 32 == 0 and p.threads <= 256
+        assert p.vecs * p.threads * VEC >= d and p.threads % 32 == 0 and p.threads <= 256
         # whole vectors of spare threads only: fewer vectors per thread would not fit 256 threads
-        assert p.vecs == 1 or (p.vecs - 1) * 256 * rms_norm.VEC < d
-        assert p.exact == (p.vecs * p.threads * rms_norm.VEC == d)
+        assert p.vecs == 1 or (p.vecs - 1) * 256 * VEC < d
+        assert p.exact == (p.vecs * p.threads * VEC == d)
     assert all(rms_norm.RmsNormPlan.for_width(d, d, d).exact for d in rms_norm.NORM_WIDTHS)
     for t in attn_res.TILINGS.values():
         assert t.covers(H)
-    for m in range(1, rms_norm.MAX_ROWS + 1):
+    for m in range(1, MAX_ROWS + 1):
         t = attn_res.choose_tiling(m, 132)
         assert t.covers(H) and t.exact(H) and t.split >= 2 and (m * t.split <= 132 or t.split == 2)
-    for h in range(rms_norm.VEC, attn_res.MAX_SMALL_HIDDEN + 1, rms_norm.VEC):
+    for h in range(VEC, attn_res.MAX_SMALL_HIDDEN + 1, VEC):
         t = attn_res.choose_tiling(1, 132, h)
         assert t.split == 1 and t.vecs == 1 and t.covers(h) and t.exact(h) == (h % 256 == 0)
 
@@ -204,18 +208,29 @@ def _attn_res_plan(n_blocks: int, split: int, *, out_norm: bool = True, mix_out:
                                 attn_res.TILINGS[split])
 
 
+ATTN_RES_PLANS = {
+    "attn_res 9 sources split 7": _attn_res_plan(8, 7, out_norm=False),
+    "attn_res final+norm split 2": _attn_res_plan(8, 2, mix_out=True),
+    "attn_res tiny H=128 final+norm, spare lanes": attn_res.AttnResPlan(
+        128, 8, 128, 1024, True, 128, True, 128, True, 128, True, True, 128, 128, attn_res.choose_tiling(1, 132, 128)),
+    # a block's first post-attention call: the attention output is the prefix, no addend
+    "attn_res prefix without addend split 7": attn_res.AttnResPlan(
+        H, 3, H, 8 * H, True, H, False, 0, False, 0, True, False, 0, H, attn_res.TILINGS[7]),
+    # layer 0: the embedding alone, so no logits and only g loaded
+    "attn_res one source split 7": attn_res.AttnResPlan(
+        H, 1, H, 8 * H, False, 0, False, 0, False, 0, True, False, 0, H, attn_res.TILINGS[7]),
+}
+
+RMS_NORM_PLANS = {
+    "rms_norm d=1536 strided": rms_norm.RmsNormPlan.for_width(1536, 2112, 1536),
+    "rms_norm d=32 strided, spare lanes": rms_norm.RmsNormPlan.for_width(32, 96, 32),
+}
+
 COMPILE_CASES = {
-    "rms_norm d=1536 strided": lambda arch, ptx_dir: rms_norm.compile_rms_norm(
-        rms_norm.RmsNormPlan.for_width(1536, 2112, 1536), arch, ptx_dir),
-    "rms_norm d=32 strided, spare lanes": lambda arch, ptx_dir: rms_norm.compile_rms_norm(
-        rms_norm.RmsNormPlan.for_width(32, 96, 32), arch, ptx_dir),
-    "attn_res 9 sources split 7": lambda arch, ptx_dir: attn_res.compile_attn_res(
-        _attn_res_plan(8, 7, out_norm=False), arch, ptx_dir),
-    "attn_res final+norm split 2": lambda arch, ptx_dir: attn_res.compile_attn_res(
-        _attn_res_plan(8, 2, mix_out=True), arch, ptx_dir),
-    "attn_res tiny H=128 final+norm, spare lanes": lambda arch, ptx_dir: attn_res.compile_attn_res(
-        attn_res.AttnResPlan(128, 8, 128, 1024, True, 128, True, 128, True, 128, True, True, 128, 128,
-                             attn_res.choose_tiling(1, 132, 128)), arch, ptx_dir),
+    **{name: (lambda arch, ptx_dir, plan=plan: rms_norm.compile_rms_norm(plan, arch, ptx_dir))
+       for name, plan in RMS_NORM_PLANS.items()},
+    **{name: (lambda arch, ptx_dir, plan=plan: attn_res.compile_attn_res(plan, arch, ptx_dir))
+       for name, plan in ATTN_RES_PLANS.items()},
     "embedding int64": lambda arch, ptx_dir: embedding.compile_embedding(
         embedding.EmbeddingPlan(10240, 8 * H, True, H), arch, ptx_dir),
     "embedding tiny H=128, spare lanes": lambda arch, ptx_dir: embedding.compile_embedding(
@@ -234,6 +249,12 @@ def test_compiles_for_arch(arch, name, tmp_path):
     if name.startswith("attn_res") and "split" in name:  # cluster tilings (K3's H)
         assert "barrier.cluster.arrive.relaxed" in ptx  # armed before the loads
         assert "st.shared::cluster.f32" in ptx and "mapa.shared::cluster" in ptx  # partial sums pushed to peers
+    if name in RMS_NORM_PLANS:
+        check_pdl_order(ptx, RMS_NORM_PLANS[name].vecs)  # γ's vectors only
+    if name in ATTN_RES_PLANS:
+        plan = ATTN_RES_PLANS[name]
+        # 16-byte weight vectors a thread loads: γ and w with more than one source, g with the norm
+        check_pdl_order(ptx, plan.tiling.vecs * (2 * (plan.n_sources > 1) + plan.has_out_norm))
 
 
 # ---------------------------------------------------------------- GPU checks
@@ -414,6 +435,54 @@ def test_attn_res_every_tiling_and_repeatable(split, evidence):
                 int(torch.isnan(out).sum()), exact=torch.equal(out, again) and torch.equal(live, live_ref),
                 shape={"m": m, "n_blocks": 8, "h": H}, tiling=split)
     assert not failures, "; ".join(failures)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("graphed", [False, True], ids=["eager", "graph"])
+@pytest.mark.parametrize("late", ["block slot", "prefix", "addend"])
+@pytest.mark.parametrize("m", [1, 64])
+def test_attn_res_reads_what_the_kernel_before_writes(m, late, graphed, evidence):
+    """Launched as a PDL dependent, AttnRes may start while the kernel before it still runs, and
+    may read only its weights then. A producer that releases its dependents at once, spins about
+    1 ms and then writes one activation (`_pdl.late_copy`, whose window
+    `test_window_exists` proves) must not be outrun: a block slot (layer 0 reads the embedding its
+    kernel has just written), the prefix (the attention output that starts a block) or the addend
+    (the sub-layer output the other calls add). M = 1 and 64 run the 7- and 2-CTA clusters."""
+    gen = torch.Generator(device="cuda").manual_seed(6000 + m + ("block slot", "prefix", "addend").index(late))
+    blocks = torch.stack([draw("normal", (m, H), gen, "cuda") * (j + 1) for j in range(2)])  # slots contiguous
+    prefix, addend = draw("normal", (m, H), gen, "cuda"), draw("normal", (m, H), gen, "cuda")
+    norm_w, out_w = _norm_weight(H, gen), _norm_weight(H, gen)
+    proj_w = (0.02 * torch.randn(H, generator=gen, device="cuda")).to(torch.bfloat16)
+    target = {"block slot": blocks[0], "prefix": prefix, "addend": addend}[late]
+    new, old = target.clone(), draw("large", (m, H), gen, "cuda")  # the old value would dominate the mixture
+    out, live = _nan((m, H)), _nan((m, H))
+
+    def call(out: torch.Tensor, live: torch.Tensor) -> None:
+        attn_res.launch(blocks, 2, prefix, norm_w, proj_w, EPS, addend=addend, live_out=live, out_w=out_w, out=out)
+
+    def step():
+        late_copy(new, target)
+        call(out, live)
+
+    run = warmed(step, graphed)
+    target.copy_(old)
+    stale = _nan((m, H))
+    call(stale, _nan((m, H)))
+    out.fill_(float("nan"))
+    live.fill_(float("nan"))
+    torch.cuda.synchronize()
+    run()
+    torch.cuda.synchronize()
+    assert torch.equal(target, new), "the producer did not write what it was given"
+    live_ref = bf16_add(prefix, addend)
+    ref = attn_res_mix([blocks[0], blocks[1], live_ref], norm_w, proj_w, EPS, out_w, EPS)
+    gap = rel_err(stale, ref)
+    failures: list[str] = []
+    _record(evidence["attn_res"], failures, f"attn_res PDL M={m} {late} written late, {'graph' if graphed else 'eager'}",
+            rel_err(out, ref), int(torch.isnan(out).sum() + torch.isnan(live).sum()),
+            exact=torch.equal(live, live_ref), stale_rel_err=gap, shape={"m": m, "n_blocks": 2, "h": H}, late=late)
+    assert gap > 10 * REL_ERR_BOUND, f"old and new {late} too alike to tell apart ({gap:.2e})"
+    assert not failures, "; ".join(failures) + f" (a stale read gives {gap:.2e})"
 
 
 @pytest.mark.gpu

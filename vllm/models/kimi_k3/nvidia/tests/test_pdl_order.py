@@ -21,7 +21,7 @@ are written there as a "kernel-test" record.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -31,47 +31,32 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip 
 import cuda.bindings.driver as cuda  # noqa: E402
 import cutlass  # noqa: E402
 import cutlass.cute as cute  # noqa: E402
-from cutlass import BFloat16, Int32, Int64  # noqa: E402
+from cutlass import BFloat16, Int32  # noqa: E402
 
 from vllm.models.kimi_k3.nvidia.kernels import skinny_gemm  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.device import facts  # noqa: E402
-from vllm.models.kimi_k3.nvidia.kernels.rms_norm import current_stream, gmem_ptr  # noqa: E402
+from vllm.models.kimi_k3.nvidia.kernels.rows import current_stream, gmem_ptr  # noqa: E402
 from vllm.models.kimi_k3.nvidia.kernels.skinny_gemm import Tiling, WgmmaTiling, pick_tiling  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.ops import BF16, F32, bf16_add, linear  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_kernel_test  # noqa: E402
+from vllm.models.kimi_k3.nvidia.tests._pdl import (  # noqa: E402
+    CTAS,
+    DELAY_CYCLES,
+    THREADS,
+    compile_late_copy,
+    compiled,
+    late_copy,
+    warmed,
+)
 from vllm.models.kimi_k3.nvidia.tests._util import draw, rel_err  # noqa: E402
 
-THREADS = 256
-CTAS = 8  # a small grid: every CTA resident at once, so the release happens at launch
-# ~1 ms at the H200's ~2 GHz: longer than the host takes to launch the GEMM behind it in the eager
-# cases (tens of µs), so that there too the GEMM starts while the producer still spins
-DELAY_CYCLES = 2_000_000
 REL_ERR_BOUND = {BF16: 4e-3, F32: 1e-5}  # test_skinny_gemm.py's bounds
 STALE_AT_LEAST = 0.5  # the relative error a result computed from the old operand would show, at least
 SOURCES = ("vllm/models/kimi_k3/nvidia/kernels/skinny_gemm.py",
            "vllm/models/kimi_k3/nvidia/kernels/skinny_gemm_wgmma.py",
            "vllm/models/kimi_k3/nvidia/kernels/gemm_store.py",
-           "vllm/models/kimi_k3/nvidia/tests/test_pdl_order.py")
-
-
-@cute.kernel
-def _late_copy_kernel(src_ptr: cute.Pointer, dst_ptr: cute.Pointer, n: Int32, delay: Int64):
-    cute.arch.griddepcontrol_launch_dependents()  # as every kernel of the step does, first thing
-    start = cute.arch.clock64()
-    now = start
-    while now - start < delay:
-        now = cute.arch.clock64()
-    tid, _, _ = cute.arch.thread_idx()
-    bid, _, _ = cute.arch.block_idx()
-    src = cute.make_tensor(src_ptr, cute.make_layout(n))
-    dst = cute.make_tensor(dst_ptr, cute.make_layout(n))
-    for i in cutlass.range(bid * THREADS + tid, n, CTAS * THREADS):
-        dst[i] = src[i]
-
-
-@cute.jit
-def _late_copy_host(src_ptr: cute.Pointer, dst_ptr: cute.Pointer, n: Int32, delay: Int64, stream: cuda.CUstream):
-    _late_copy_kernel(src_ptr, dst_ptr, n, delay).launch(grid=(CTAS, 1, 1), block=(THREADS, 1, 1), stream=stream)
+           "vllm/models/kimi_k3/nvidia/tests/test_pdl_order.py",
+           "vllm/models/kimi_k3/nvidia/tests/_pdl.py")
 
 
 @cute.kernel
@@ -95,58 +80,27 @@ def _early_read_host(x_ptr: cute.Pointer, before_ptr: cute.Pointer, after_ptr: c
                                                                stream=stream, use_pdl=True)
 
 
-def _compile(which: str, arch: str, ptx_dir: str | None = None) -> Any:
+def _compile_early_read(arch: str, ptx_dir: str | None = None) -> Any:
     p = gmem_ptr(BFloat16, 16)
-    opts = f"--gpu-arch {arch}" + (f" --keep-ptx --dump-dir {ptx_dir}" if ptx_dir else "")
-    if which == "late_copy":
-        return cute.compile(_late_copy_host, p, p, Int32(1), Int64(1), cute.runtime.make_fake_stream(), options=opts)
-    return cute.compile(_early_read_host, p, p, p, Int32(1), cute.runtime.make_fake_stream(), options=opts)
+    return cute.compile(_early_read_host, p, p, p, Int32(1), cute.runtime.make_fake_stream(),
+                        options=f"--gpu-arch {arch}" + (f" --keep-ptx --dump-dir {ptx_dir}" if ptx_dir else ""))
 
 
 def test_helpers_compile_with_the_window_in_place(tmp_path):
     """The producer releases its dependents before it spins on the clock; the reader loads x
     before its wait (that load is the control's early read)."""
-    for which, first, second in (("late_copy", "griddepcontrol.launch_dependents", "%clock64"),
-                                 ("early_read", "ld.global", "griddepcontrol.wait")):
+    for which, compile_it, first, second in (
+            ("late_copy", compile_late_copy, "griddepcontrol.launch_dependents", "%clock64"),
+            ("early_read", _compile_early_read, "ld.global", "griddepcontrol.wait")):
         d = tmp_path / which
         d.mkdir()
-        _compile(which, "sm_90a", str(d))
+        compile_it("sm_90a", str(d))
         ptx = next(d.glob("*.ptx")).read_text()
         assert first in ptx and second in ptx, (which, first, second)
         assert ptx.index(first) < ptx.index(second), f"{which}: {first} is not before {second}"
 
 
 # ---------------------------------------------------------------- GPU checks
-
-_KERNELS: dict[str, Any] = {}
-
-
-def _kernel(which: str) -> Any:
-    if which not in _KERNELS:
-        _KERNELS[which] = _compile(which, facts(torch.device("cuda")).arch)
-    return _KERNELS[which]
-
-
-def late_copy(src: torch.Tensor, dst: torch.Tensor) -> None:
-    """dst ← src (bf16, contiguous) after DELAY_CYCLES, its dependents released at once."""
-    assert src.dtype == dst.dtype == BF16 and src.is_contiguous() and dst.is_contiguous() and src.shape == dst.shape
-    _kernel("late_copy")(gmem_ptr(BFloat16, src.data_ptr()), gmem_ptr(BFloat16, dst.data_ptr()), src.numel(),
-                         DELAY_CYCLES, current_stream(src.device, None))
-
-
-def warmed(step: Callable[[], None], graphed: bool) -> Callable[[], None]:
-    """Run `step` once (compiles, makes scratch the judged run must not wait on), then return it,
-    or a replay of it captured in a CUDA graph."""
-    step()
-    if not graphed:
-        return step
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        step()
-    return graph.replay
-
 
 @pytest.fixture(scope="module")
 def evidence():
@@ -170,8 +124,9 @@ def test_window_exists(evidence):
 
     def pair(src, dst):
         late_copy(src, dst)
-        _kernel("early_read")(gmem_ptr(BFloat16, dst.data_ptr()), gmem_ptr(BFloat16, before.data_ptr()),
-                              gmem_ptr(BFloat16, after.data_ptr()), n, current_stream(x.device, None))
+        compiled(_compile_early_read, facts(x.device).arch)(
+            gmem_ptr(BFloat16, dst.data_ptr()), gmem_ptr(BFloat16, before.data_ptr()),
+            gmem_ptr(BFloat16, after.data_ptr()), n, current_stream(x.device, None))
 
     # a first launch loads each kernel's module, which may take the host longer than the producer
     # spins: the H100's first run, without this, found no window. The GEMM cases warm up too

@@ -20,9 +20,10 @@ import torch
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install nvidia-cutlass-dsl==4.8.1)")
 
 from vllm.models.kimi_k3.nvidia.kernels import situ_mul  # noqa: E402
-from vllm.models.kimi_k3.nvidia.kernels.rms_norm import NormEnvelopeError  # noqa: E402
+from vllm.models.kimi_k3.nvidia.kernels.rows import NormEnvelopeError  # noqa: E402
 from vllm.models.kimi_k3.nvidia.latency_specialized.config import preset  # noqa: E402
 from vllm.models.kimi_k3.nvidia.reference.ops import situ_and_mul  # noqa: E402
+from vllm.models.kimi_k3.nvidia.tests._pdl import check_pdl_order  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._evidence import record_kernel_test  # noqa: E402
 from vllm.models.kimi_k3.nvidia.tests._util import DISTRIBUTIONS, draw, rel_err  # noqa: E402
 
@@ -38,7 +39,7 @@ REL_ERR_BOUND = 1e-2
 ARCHS = ("sm_90a", "sm_100a", "sm_103a")
 TEST_FILE = "vllm/models/kimi_k3/nvidia/tests/test_situ_mul_kernel.py"
 SOURCES = ("vllm/models/kimi_k3/nvidia/kernels/situ_mul.py", "vllm/models/kimi_k3/nvidia/kernels/moe_experts.py",
-           "vllm/models/kimi_k3/nvidia/kernels/rms_norm.py", TEST_FILE)
+           "vllm/models/kimi_k3/nvidia/kernels/rows.py", TEST_FILE)
 
 
 # ---------------------------------------------------------------- envelope (CPU)
@@ -74,6 +75,7 @@ def test_compiles_for_arch(arch, tmp_path):
     assert len(re.findall(r"st\.global\.v4\.b32", ptx)) == 1
     assert not re.search(r"(ld|st)\.global\.(b|u|s)(16|8)\b", ptx), "narrow accesses"
     assert not re.search(r"\b(ld|st)\.local", ptx), "registers spilled to local memory"
+    check_pdl_order(ptx, 0)  # it has no weights
 
 
 # ---------------------------------------------------------------- GPU checks
