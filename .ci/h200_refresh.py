@@ -355,6 +355,18 @@ def on_gpus(lines: list[str], gpus: int, lanes: int = 1, timed: frozenset[str] =
     return [*out, 'for f in "$W"/gpu*.out; do echo "--- ${f##*/}"; cat "$f"; done']
 
 
+def only_steps(lines: list[str], names: list[str]) -> list[str]:
+    """The step lines of `names`, in the refresh's own order; a name that is no step here is refused
+    with the names there are, so a typo cannot make a call that runs nothing."""
+    steps = [line for line in lines if _STEP_LINE.match(line)]
+    known = {_name(line) for line in steps}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        sys.exit(f"h200_refresh: --only {' '.join(unknown)}: no such step in this refresh; "
+                 f"it has: {' '.join(sorted(known)) or 'none'}")
+    return [line for line in steps if _name(line) in names]
+
+
 def _made_on_gpu(record: Record) -> bool:
     return record.data.get("gpu") not in (None, "", "none")
 
@@ -406,6 +418,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--card", default=None,
                     help="the lent card's evidence folder (h200, h100): its stale records and those it lacks "
                          "(default: every stale GPU record, and GPU tests unrecorded in evidence/h200)")
+    ap.add_argument("--only", nargs="+", default=None, metavar="NAME",
+                    help="only these steps, named as their records (moe_test, executor_long_runs): a call "
+                         "that serves one issue when the card's whole refresh outlasts the session")
     ap.add_argument("--commands", action="store_true",
                     help="plain bash lines, one per command, for a CI runner (gpu-run.yml): no step, budget or lanes")
     args = ap.parse_args(argv)
@@ -446,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
              + step_lines([r for r in records if Path(r.rel).name not in elsewhere], seen)
              + unrecorded(kinds=frozenset({"parity"}))
              + step_lines([r for r in records if Path(r.rel).name in elsewhere], seen))
+    if args.only is not None:
+        lines = only_steps(lines, args.only)
     timed = frozenset(Path(r.rel).stem for r in records if r.kind in TIMED_KINDS)
     first_lane = {Path(n).stem for n in HOLDS_A_BLOCK}
     if args.card in CARDS_OF_80GB:

@@ -409,6 +409,23 @@ def test_on_an_80gb_card_kernel_and_depth_tests_take_turns_with_the_blocks(tmp_p
     assert lanes["h200"] == (["executor_long_runs"], ["eval_tiny", "executor_depth_parity", "moe_test"])
 
 
+def test_only_keeps_the_named_steps_in_the_refresh_order_and_refuses_an_unknown_name(tmp_path, monkeypatch, capsys):
+    """`--only`: a call that serves one issue runs just its records, in the priority order (the
+    kernel test before the parity run, whatever order they are named in); a misspelt name stops
+    the call with the names there are, rather than making a call that runs nothing."""
+    _, put = _cards_model(tmp_path)
+    (tmp_path / "m" / "SCOPE.yaml").write_text("model: m\n")
+    put("h200", "executor_long_runs", "0" * 64, kind="parity", wall_s=300.0)
+    put("h200", "moe_test", "0" * 64, wall_s=90.0)
+    put("h200", "eval_tiny", "0" * 64, kind="eval", wall_s=200.0)
+    monkeypatch.chdir(tmp_path)
+    assert refresh.main(["--model", "m", "--card", "h200", "--only", "executor_long_runs", "moe_test"]) == 0
+    names = [line.split()[2] for line in capsys.readouterr().out.splitlines() if " step " in f" {line}"]
+    assert names == ["moe_test", "executor_long_runs"], names
+    with pytest.raises(SystemExit, match=r"--only moe_tst: no such step.*it has: eval_tiny executor_long_runs moe_test"):
+        refresh.main(["--model", "m", "--card", "h200", "--only", "moe_tst"])
+
+
 def test_more_gpus_than_steps_leaves_the_rest_idle_and_no_gpus_is_refused(capsys):
     script = refresh.on_gpus(["step a 10 true"], 4)
     assert sum(line.startswith("( export CUDA_VISIBLE_DEVICES=") for line in script) == 1
