@@ -1,10 +1,10 @@
 """The tracked tree stays small enough to travel to the lent GPU.
 
 Every tracked file goes with each device call, inside a 64 MiB limit of which the packed CuTe DSL
-takes 52 and xgrammar (for the structured-output test) 4.2: the tracked files get 8 MiB at most,
-and at 7.5 MiB already the rendered evidence report has to be held back from a call that carries
-xgrammar (.ci/h200_call.sh). A large blob committed by mistake fails here, on the CPU, rather
-than as a refused device call.
+takes 52, xgrammar (for the structured-output test) 3.7 and the coverage wheel 0.25: the tracked
+files get 8 MiB at most, and `.ci/carry_size.py` says before a call whether it fits and what to
+hold back (the rendered evidence report first). A large blob committed by mistake fails here, on
+the CPU, rather than as a refused device call.
 """
 
 from __future__ import annotations
