@@ -7,7 +7,9 @@ as decode_latency times it) and `group` (`TorchDistributed` over NCCL: every exc
 all-gather of the partials and a rank-order fp32 sum, distributed.py). group − alone is what a
 step's exchanges cost; divided by their count (`exchanges_per_step`) it is the price of one,
 which is what a layout trading compute for exchanges (K3_MATH.md §5.1, REVIEW.md §4) must beat.
-One all-reduce of the step's hidden rows is also timed alone, in a graph.
+One all-reduce of the step's hidden rows is also timed alone, in a graph. Under vLLM the same
+gather-and-sum goes through vLLM's group (`VllmCollective`) on its device communicator, so these
+figures are torch.distributed's NCCL, the closest stand-in outside vLLM, not vLLM's own.
 
     torchrun --nproc-per-node 8 -m vllm.models.kimi_k3.nvidia.benchmarks.decode_tp --rows 1 2 8 --out $OUT/decode_tp.json
 
@@ -132,9 +134,15 @@ def main(argv: list[str] | None = None) -> int:
         group = ReferenceModel(alone.cfg, alone.w, coll=coll)
         buckets = [(r, 1) for r in sorted(set(args.rows))]
         max_len = CONTEXT + 8
-        executors = {name: SpecializedDecode(m, max_requests=max(args.rows), max_len=max_len, buckets=buckets,
-                                             ops=KernelOps(), log=(print if coll.rank == 0 else (lambda _: None)))
-                     for name, m in (("alone", alone), ("group", group))}
+        log = print if coll.rank == 0 else (lambda _: None)
+        executors = {"alone": SpecializedDecode(alone, max_requests=max(args.rows), max_len=max_len, buckets=buckets,
+                                                ops=KernelOps(), log=log)}
+        try:  # the first run of torch.distributed's NCCL inside a CUDA-graph capture here: say so if it fails
+            executors["group"] = SpecializedDecode(group, max_requests=max(args.rows), max_len=max_len,
+                                                   buckets=buckets, ops=KernelOps(), log=log)
+        except Exception as e:
+            raise RuntimeError(f"rank {coll.rank}: the group's executor did not build (its NCCL all-gathers are "
+                               f"captured in the step's CUDA graphs): {type(e).__name__}: {e}") from e
         exchanges = exchanges_per_step(group)
         results = []
         for rows in sorted(set(args.rows)):
