@@ -86,7 +86,9 @@ TIMED_KINDS = ("decode-bench", "kernel-bench")
 # them. Measured on 2026-12-04 (nvidia-smi every 5 s): a TP16 long run with the sanitizer runs
 # beside it peaked at 63 GB; the depth test with two evals at 54 GB; the parity rule's power (a
 # TP16 then a TP8 block) beside those two at 115 GB. So a TP8 block beside two other checks
-# nears the card's memory: LANES=2 (a block and one check) is the safe setting when one is queued
+# nears the card's memory: LANES=2 (a block and one check) is the safe setting when one is queued.
+# On 2026-12-06 (two lanes) a TP16 block beside the TP16 depth test peaked at 116.6 GB, and TP8's
+# block beside TP8's depth test at 138.2 GB, next to the H200's 139 GiB: no third lane there
 HOLDS_A_BLOCK = frozenset({"executor_long_runs.json", "executor_long_runs_rows64.json", "executor_long_runs_mid.json",
                            "executor_long_runs_rows16_32.json", "executor_long_runs_tp8.json",
                            "executor_long_runs_tp8_rows64.json", "executor_long_runs_tp8_mid.json",
