@@ -430,6 +430,9 @@ def main(argv: list[str] | None = None) -> int:
         sys.exit(f"h200_refresh: --gpus must be at least 1, got {args.gpus}")
     if args.lanes < 1:
         sys.exit(f"h200_refresh: --lanes must be at least 1, got {args.lanes}")
+    if args.only is not None and args.commands:
+        sys.exit("h200_refresh: --only picks a call's steps, and --commands lists every stale command for a CI "
+                 "runner: pass one of them")
     try:
         models = discover(Path.cwd(), args.model)
     except ModelError as e:

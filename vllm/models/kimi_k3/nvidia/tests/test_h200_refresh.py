@@ -424,6 +424,8 @@ def test_only_keeps_the_named_steps_in_the_refresh_order_and_refuses_an_unknown_
     assert names == ["moe_test", "executor_long_runs"], names
     with pytest.raises(SystemExit, match=r"--only moe_tst: no such step.*it has: eval_tiny executor_long_runs moe_test"):
         refresh.main(["--model", "m", "--card", "h200", "--only", "moe_tst"])
+    with pytest.raises(SystemExit, match="--only picks a call's steps.*pass one of them"):
+        refresh.main(["--model", "m", "--card", "h200", "--only", "moe_test", "--commands"])
 
 
 def test_more_gpus_than_steps_leaves_the_rest_idle_and_no_gpus_is_refused(capsys):
