@@ -10,7 +10,8 @@ import torch
 # module -> the arguments it needs to get past argparse
 GPU_CLIS = {
     "bench_kda_decode": [], "bench_mla_decode": [], "bench_moe": [], "bench_moe_layer": [], "bench_norms": [],
-    "bench_skinny_gemm": [], "decode_latency": ["--out", "unused"], "kernels": ["--out", "unused"], "mla_sm_activity": [],
+    "bench_skinny_gemm": [], "decode_latency": ["--out", "unused"], "decode_tp": [], "kernels": ["--out", "unused"],
+    "mla_sm_activity": [],
     "profile_step": [], "sweep_moe_tiling": [], "sweep_skinny_tiling": [],
 }
 
