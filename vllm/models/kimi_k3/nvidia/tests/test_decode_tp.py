@@ -1,5 +1,11 @@
-"""benchmarks/decode_tp.py on the CPU: the exchange count it divides by, its summary's arithmetic
-and its usage errors. Timing a TP group needs one GPU per rank (a multi-GPU kind)."""
+"""benchmarks/decode_tp.py: on the CPU, the exchange count it divides by, its summary's arithmetic
+and its usage errors; on a host of several GPUs, a short run of it end to end under torchrun."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +17,8 @@ from vllm.models.kimi_k3.nvidia.reference.collective import SingleRank
 from vllm.models.kimi_k3.nvidia.reference.params import DenseMLPWeights, MoEWeights
 
 from ._util import mini_model, prefill
+
+ROOT = Path(__file__).resolve().parents[5]
 
 
 class CountingRank(SingleRank):
@@ -72,3 +80,29 @@ def test_without_torchrun_it_says_how_to_launch(monkeypatch, capsys):
     with pytest.raises(SystemExit) as e:
         decode_tp.main(["--rows", "0"])
     assert e.value.code == 2 and "--rows, --layers and --reps must be at least 1" in capsys.readouterr().err
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_a_short_run_on_every_gpu_of_the_host_times_both_forms_and_the_ranks_agree(tmp_path):
+    """K3's first layers on the host's GPUs, 2, 4 or 8 of them: the record comes back with both forms
+    timed on every rank and every rank's logits identical. Four layers (KDA, MLA, the dense MLP and
+    MoE) from 4 GPUs; two (no MLA) on two, where a rank's three MoE layers (30 GB each) would not
+    fit 80 GB."""
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    tp = max((t for t in (2, 4, 8) if t <= n), default=0)
+    if not tp:
+        pytest.skip(f"a TP group needs 2 or more GPUs, this machine has {n}")
+    from .test_distributed import _free_port
+    out = tmp_path / "decode_tp.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), "--master-addr", "127.0.0.1",
+           "--master-port", str(_free_port()), "-m", "vllm.models.kimi_k3.nvidia.benchmarks.decode_tp",
+           "--layers", "4" if tp >= 4 else "2", "--rows", "1", "2", "--reps", "5", "--out", str(out)]
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=900,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert r.returncode == 0, r.stderr[-3000:]
+    record = json.loads(out.read_text())
+    assert [x["rows"] for x in record["results"]] == [1, 2]
+    for x in record["results"]:
+        assert x["status"] == "pass" and x["ranks_agree"] is True
+        assert all(len(times) == tp and min(times) > 0 for times in x["per_rank_us"].values())
