@@ -41,7 +41,7 @@ from ..latency_specialized.evidence import write_record
 from ..latency_specialized.executor import SpecializedDecode
 from ..reference.model import ReferenceModel
 from ..reference.params import MoEWeights
-from .bench_skinny_gemm import require_cuda
+from .bench_skinny_gemm import require_cuda, time_graph
 from .block_parity import BLOCK_LAYERS, PARITY_SOURCES, BlockDoesNotFit, fill_state, k3_block, segments
 from .decode_latency import _rollback, median_ms
 
@@ -96,19 +96,11 @@ def time_forms(executors: dict[str, SpecializedDecode], rows: int, reps: int,
 
 
 def one_all_reduce_us(coll, rows: int, hidden: int, reps: int) -> float:
-    """Median µs of one all-reduce of `rows` hidden rows, captured alone in a CUDA graph."""
+    """Median µs of one all-reduce of `rows` hidden rows, captured alone in a CUDA graph (its first
+    run, outside the capture, starts the communicator's use there)."""
     x = torch.randn(rows, hidden, device="cuda").to(torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # the communicator's first use, outside the capture
-        coll.all_reduce(x)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        coll.all_reduce(x)
-    torch.cuda.synchronize()
     dist.barrier()
-    return median_ms(lambda: graph.replay(), reps) * 1e3
+    return time_graph([lambda: coll.all_reduce(x)], replays=reps)
 
 
 def main(argv: list[str] | None = None) -> int:
