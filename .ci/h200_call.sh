@@ -23,10 +23,10 @@
 [[ "${K3_COMMIT:-}" =~ ^[0-9a-f]{40}$ ]] || { echo "h200_call: set K3_COMMIT to the full 40-hex sha of the checked-out commit, \$(git rev-parse HEAD) on the CPU side (got '${K3_COMMIT:-}')"; exit 2; }
 # the device copy's .git can be older than the tree that travels (2026-12-03, 2026-12-04), so a sha
 # taken from it there names a commit that is not what runs
-# (the rendered report docs/fast_track/*_evidence.md, no source of any record, may be held back from a
-# call when the tree, CuTe DSL and xgrammar together pass the 64 MiB carry limit, as on 2026-12-05)
+# (markdown files, the source of no record, may be held back from a call when the tree, CuTe DSL and
+# xgrammar together pass the 64 MiB carry limit, as on 2026-12-05 and 2026-12-07: .ci/carry_size.py names them)
 if [ "$K3_COMMIT" = "$(git rev-parse HEAD 2>/dev/null)" ] &&
-   [ -n "$(git status --porcelain --untracked-files=no -- . ':!docs/fast_track/*_evidence.md' 2>/dev/null)" ]; then
+   [ -n "$(git status --porcelain --untracked-files=no -- . ':(exclude,glob)**/*.md' 2>/dev/null)" ]; then
   echo "h200_call: K3_COMMIT is this copy's .git HEAD, but the tracked files differ from that commit (the copy's .git is older than its tree): set K3_COMMIT to \$(git rev-parse HEAD) computed on the CPU side, where the tree was committed"
   exit 2
 fi
