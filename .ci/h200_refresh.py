@@ -357,15 +357,21 @@ def on_gpus(lines: list[str], gpus: int, lanes: int = 1, timed: frozenset[str] =
     return [*out, 'for f in "$W"/gpu*.out; do echo "--- ${f##*/}"; cat "$f"; done']
 
 
-def only_steps(lines: list[str], names: list[str]) -> list[str]:
-    """The step lines of `names`, in the refresh's own order; a name that is no step here is refused
-    with the names there are, so a typo cannot make a call that runs nothing."""
+def only_steps(lines: list[str], names: list[str], recorded: frozenset[str] = frozenset()) -> list[str]:
+    """The step lines of `names`, in the refresh's own order. A name that is no step here but names
+    a record (`recorded`: fresh on this card) is said on stderr and left out, so one call line serves
+    either card (2026-12-07: an H200 call that came up on an H100, where two of its benches were
+    fresh, ran none of its refresh); any other name is refused with the names there are, so a typo
+    cannot make a call that runs nothing."""
     steps = [line for line in lines if _STEP_LINE.match(line)]
     known = {_name(line) for line in steps}
-    unknown = [n for n in names if n not in known]
+    unknown = [n for n in names if n not in known and n not in recorded]
     if unknown:
         sys.exit(f"h200_refresh: --only {' '.join(unknown)}: no such step in this refresh; "
                  f"it has: {' '.join(sorted(known)) or 'none'}")
+    fresh = [n for n in names if n not in known]
+    if fresh:
+        print(f"h200_refresh: --only {' '.join(fresh)}: fresh for this card, not run", file=sys.stderr)
     return [line for line in steps if _name(line) in names]
 
 
@@ -467,7 +473,8 @@ def main(argv: list[str] | None = None) -> int:
              + unrecorded(kinds=frozenset({"parity"}))
              + step_lines([r for r in records if Path(r.rel).name in elsewhere], seen))
     if args.only is not None:
-        lines = only_steps(lines, args.only)
+        recorded = frozenset(p.stem for p in (model.path / "evidence").glob("*/*.json"))
+        lines = only_steps(lines, args.only, recorded)
     timed = frozenset(Path(r.rel).stem for r in records if r.kind in TIMED_KINDS)
     first_lane = {Path(n).stem for n in HOLDS_A_BLOCK}
     if args.card in CARDS_OF_80GB:

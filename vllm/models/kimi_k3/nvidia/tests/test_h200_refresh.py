@@ -412,8 +412,9 @@ def test_on_an_80gb_card_kernel_and_depth_tests_take_turns_with_the_blocks(tmp_p
 def test_only_keeps_the_named_steps_in_the_refresh_order_and_refuses_an_unknown_name(tmp_path, monkeypatch, capsys):
     """`--only`: a call that serves one issue runs just its records, in the priority order (the
     kernel test before the parity run, whatever order they are named in); a misspelt name stops
-    the call with the names there are, rather than making a call that runs nothing."""
-    _, put = _cards_model(tmp_path)
+    the call with the names there are, rather than making a call that runs nothing; a record fresh
+    on this card is said and left out."""
+    fresh, put = _cards_model(tmp_path)
     (tmp_path / "m" / "SCOPE.yaml").write_text("model: m\n")
     put("h200", "executor_long_runs", "0" * 64, kind="parity", wall_s=300.0)
     put("h200", "moe_test", "0" * 64, wall_s=90.0)
@@ -424,6 +425,13 @@ def test_only_keeps_the_named_steps_in_the_refresh_order_and_refuses_an_unknown_
     assert names == ["moe_test", "executor_long_runs"], names
     with pytest.raises(SystemExit, match=r"--only moe_tst: no such step.*it has: eval_tiny executor_long_runs moe_test"):
         refresh.main(["--model", "m", "--card", "h200", "--only", "moe_tst"])
+    # a record fresh on this card is said and skipped, and the rest still run
+    put("h200", "moe_bench", fresh, kind="kernel-bench", wall_s=40.0)
+    capsys.readouterr()
+    assert refresh.main(["--model", "m", "--card", "h200", "--only", "moe_bench", "moe_test"]) == 0
+    out, err = capsys.readouterr()
+    assert [line.split()[2] for line in out.splitlines() if " step " in f" {line}"] == ["moe_test"], out
+    assert "--only moe_bench: fresh for this card, not run" in err, err
     with pytest.raises(SystemExit, match="--only picks a call's steps.*pass one of them"):
         refresh.main(["--model", "m", "--card", "h200", "--only", "moe_test", "--commands"])
 
