@@ -9,7 +9,8 @@ what needs it: the rendered evidence report (h200_call.sh runs without it), the 
 (the structured-output test), the coverage wheel (`record_coverage`). On 2026-12-06 the tree, CuTe
 DSL and xgrammar came to within a few hundred KB of the limit, which hand sums kept missing.
 Each file counts as the 4 KiB blocks it takes on disk, not its bytes: on 2026-12-07 the tool refused
-a call of 63.90 MiB in bytes, 64.54 MiB in blocks (the tree's ~330 small files round up by 0.6 MiB).
+a call of 63.90 MiB in bytes, which is 64.54 MiB in blocks (the tree's ~330 small files round up by
+0.6 MiB); the tool's own rule is not documented, and the block count is the one that explains it.
 """
 
 from __future__ import annotations
