@@ -124,20 +124,21 @@ def main(argv: list[str] | None = None) -> int:
         except BlockDoesNotFit as e:
             p.error(f"{e}; pass fewer --layers")
         group = ReferenceModel(alone.cfg, alone.w, coll=coll)
-        buckets = [(r, 1) for r in sorted(set(args.rows))]
+        row_counts = sorted(set(args.rows))
+        buckets = [(r, 1) for r in row_counts]
         max_len = CONTEXT + 8
         log = print if coll.rank == 0 else (lambda _: None)
-        executors = {"alone": SpecializedDecode(alone, max_requests=max(args.rows), max_len=max_len, buckets=buckets,
+        executors = {"alone": SpecializedDecode(alone, max_requests=row_counts[-1], max_len=max_len, buckets=buckets,
                                                 ops=KernelOps(), log=log)}
         try:  # the first run of torch.distributed's NCCL inside a CUDA-graph capture here: say so if it fails
-            executors["group"] = SpecializedDecode(group, max_requests=max(args.rows), max_len=max_len,
+            executors["group"] = SpecializedDecode(group, max_requests=row_counts[-1], max_len=max_len,
                                                    buckets=buckets, ops=KernelOps(), log=log)
         except Exception as e:
             raise RuntimeError(f"rank {coll.rank}: the group's executor did not build (its NCCL all-gathers are "
                                f"captured in the step's CUDA graphs): {type(e).__name__}: {e}") from e
         exchanges = exchanges_per_step(group)
         results = []
-        for rows in sorted(set(args.rows)):
+        for rows in row_counts:
             runs, logits = time_forms(executors, rows, args.reps, seed=rows)
             every_logits = coll.all_gather(logits.unsqueeze(0), dim=0)
             agree = all(torch.equal(x, every_logits[0]) for x in every_logits)
