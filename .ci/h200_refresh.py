@@ -33,8 +33,9 @@ and the GPU), so a record's `wall_s` from a lane overstates what it takes alone.
 from __future__ import annotations
 
 import argparse
-import functools
 import ast
+import functools
+import json
 import math
 import re
 import shlex
@@ -136,14 +137,35 @@ def _gpu_pytest(args: list[str]) -> list[str] | None:
     return ["python3", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", *keep, *targets]
 
 
-def _recorder(record: Record, tool: str) -> list[str]:
+def _recorder(record: Record, tool: str, also: tuple[str, ...] = ()) -> list[str]:
     """`fast-track TOOL` writing `record` again, with those of its sources the tree still has (a
     file deleted since, say a kernel folded into another, would make the tool refuse the run):
     the sources as the record was given them where it says (`source_args`: a folder stays a
-    folder, so a file added to it since is measured too), else the files it lists."""
+    folder, so a file added to it since is measured too), else the files it lists; then `also`."""
     given = record.data.get("source_args") or record.sources
+    given = list(dict.fromkeys([*given, *also]))
     sources = [a for s in given if (REPO / s).exists() for a in ("--source", s)]
     return ["python3", "-m", "tools.fast_track.cli", tool, "--out", f"{EV}/{Path(record.rel).name}", *sources]
+
+
+def _namesake_sources(record: Record) -> tuple[str, ...]:
+    """The sources that the same sanitizer record lists on the other cards' folders. The same
+    command checks the same kernels on every card, so a refresh on one card covers what any card's
+    run covered (2026-12-07: the H200's KDA record, older than rows.py, would have left that
+    file's cluster barrier unchecked, where the H100's covered it). Sanitizer records only: a
+    record-tests record's sources follow its own `source_args`."""
+    path = Path(record.rel)
+    found = []
+    for other in sorted((REPO / path.parent.parent).glob(f"*/{path.name}")):
+        if other.parent.name == path.parent.name:
+            continue
+        try:
+            data = json.loads(other.read_text())
+        except (OSError, ValueError):
+            continue  # an unreadable namesake is main()'s to report
+        if isinstance(data, dict) and data.get("kind") == "sanitizer":
+            found += data.get("source_args") or data.get("sources") or []
+    return tuple(found)
 
 
 def device_command(record: Record) -> list[str] | None:
@@ -159,7 +181,8 @@ def device_command(record: Record) -> list[str] | None:
         if not inner or "pytest" not in inner or not record.sources:
             return None
         run = _gpu_pytest(inner[inner.index("pytest") + 1:])
-        return None if run is None else [*_recorder(record, "record-sanitizer"), "--", *run]
+        return None if run is None else [*_recorder(record, "record-sanitizer", _namesake_sources(record)),
+                                         "--", *run]
     if "exit_code" in record.data and "pytest" in words[:3]:  # made by `fast-track record-tests`
         if not record.sources:
             return None

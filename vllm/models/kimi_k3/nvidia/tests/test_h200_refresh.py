@@ -529,3 +529,28 @@ def test_the_call_names_the_records_folder_of_its_card_and_stops_on_another(tmp_
         assert stopped.returncode == 3 and "'NVIDIA A100-SXM4-80GB', not an H200 or H100" in stopped.stdout
     forced = call("NVIDIA A100-SXM4-80GB", {"K3_ANY_GPU": "1"})
     assert "records belong in evidence/none/" in forced.stdout and "no .devwheels" in forced.stdout
+
+
+def test_a_sanitizer_refresh_also_checks_what_its_namesake_on_another_card_covered(tmp_path, monkeypatch):
+    """The H200's KDA sanitizer record predates rows.py, the H100's lists it: an H200 refresh must
+    check rows.py's barrier too. A record-tests record keeps its own sources, whatever the other
+    card's says."""
+    for rel in ("m/k.py", "m/rows.py", "m/old.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("x = 1\n")
+    for card, sources in (("h100", ["m/k.py", "m/rows.py", "m/old.py"]), ("h200", ["m/k.py"])):
+        folder = tmp_path / "m" / "evidence" / card
+        folder.mkdir(parents=True)
+        (folder / "san.json").write_text(json.dumps({"kind": "sanitizer", "sources": sources}))
+        (folder / "feat.json").write_text(json.dumps({"kind": "parity", "sources": sources}))
+    (tmp_path / "m" / "old.py").unlink()  # deleted since the H100 run: left out, as for the own sources
+    monkeypatch.setattr(refresh, "REPO", tmp_path)
+    sanitizer = Record("m/evidence/h200/san.json", {
+        "kind": "sanitizer", "gpu": "NVIDIA H200", "sources": ["m/k.py"],
+        "command": "compute-sanitizer --tool racecheck python3 -m pytest -q -m gpu m/tests/test_k.py"})
+    features = Record("m/evidence/h200/feat.json", {
+        "kind": "parity", "family": "features", "exit_code": 0, "gpu": "NVIDIA H200", "sources": ["m/k.py"],
+        "command": "python3 -m pytest -q -m gpu m/tests/test_feat.py"})
+    san_args, feat_args = (refresh.device_command(r) for r in (sanitizer, features))
+    assert [san_args[i + 1] for i, a in enumerate(san_args) if a == "--source"] == ["m/k.py", "m/rows.py"]
+    assert [feat_args[i + 1] for i, a in enumerate(feat_args) if a == "--source"] == ["m/k.py"]
