@@ -163,8 +163,8 @@ def _namesake_sources(record: Record) -> tuple[str, ...]:
             data = json.loads(other.read_text())
         except (OSError, ValueError):
             continue  # an unreadable namesake is main()'s to report
-        if isinstance(data, dict) and data.get("kind") == "sanitizer":
-            found += data.get("source_args") or data.get("sources") or []
+        if isinstance(data, dict) and (namesake := Record(str(other), data)).kind == "sanitizer":
+            found += namesake.source_args or namesake.sources
     return tuple(found)
 
 
