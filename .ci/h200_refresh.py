@@ -168,6 +168,16 @@ def _namesake_sources(record: Record) -> tuple[str, ...]:
     return tuple(found)
 
 
+def narrower_than_namesake(record: Record) -> bool:
+    """A sanitizer record that checked fewer of the tree's files than its namesake on another card
+    (2026-12-07: the H200's KDA record, fresh, lists no rows.py; the H100's does). A refresh here
+    would check them too, so the card makes it again although nothing it lists has changed."""
+    if record.kind != "sanitizer":
+        return False
+    own = set(record.source_args or record.sources)
+    return any(s not in own and (REPO / s).exists() for s in _namesake_sources(record))
+
+
 def device_command(record: Record) -> list[str] | None:
     """The command that refreshes `record` on the lent H200, or None when its form is unknown."""
     words = shlex.split(record.command.replace("<dir>", "DIR"))
@@ -409,15 +419,16 @@ def gpu_records(stale: list[tuple[Record, str]]) -> list[Record]:
 
 def card_records(evidence: EvidenceSet, card: str) -> list[Record]:
     """What a refresh on one card (its evidence/CARD/ folder: h200, h100) makes: the card's own
-    stale records, and each GPU record that only other cards have, made again by its command (the
-    H100 envelope began on 2026-12-05 with none of the H200's long runs)."""
+    stale records and its sanitizer records narrower than another card's (`narrower_than_namesake`),
+    and each GPU record that only other cards have, made again by its command (the H100 envelope
+    began on 2026-12-05 with none of the H200's long runs)."""
     gpu_made = [r for r in evidence.records if _made_on_gpu(r)]
     own = {Path(r.rel).name for r in gpu_made if Path(r.rel).parent.name == card}
     wanted, borrowed = [], set()
     for record in gpu_made:
         name = Path(record.rel).name
         if Path(record.rel).parent.name == card:
-            if not evidence.freshness(record).fresh:
+            if not evidence.freshness(record).fresh or narrower_than_namesake(record):
                 wanted.append(record)
         elif name not in own and (name, record.position) not in borrowed:
             wanted.append(record)

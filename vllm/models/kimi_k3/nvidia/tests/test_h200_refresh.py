@@ -554,3 +554,26 @@ def test_a_sanitizer_refresh_also_checks_what_its_namesake_on_another_card_cover
     san_args, feat_args = (refresh.device_command(r) for r in (sanitizer, features))
     assert [san_args[i + 1] for i, a in enumerate(san_args) if a == "--source"] == ["m/k.py", "m/rows.py"]
     assert [feat_args[i + 1] for i, a in enumerate(feat_args) if a == "--source"] == ["m/k.py"]
+
+
+def test_a_fresh_sanitizer_record_narrower_than_its_namesake_is_made_again_on_its_card(tmp_path, monkeypatch):
+    """The H200's KDA sanitizer record is fresh but lists no rows.py, which the H100's covers: a
+    refresh on the H200 makes it again (with rows.py, the test above); on the H100, whose record
+    is the wider one, nothing is made, and a fresh record of another kind is never made again."""
+    from tools.fast_track.evidence import EvidenceSet, source_hash
+    from tools.fast_track.model import ModelFolder
+
+    fresh, put = _cards_model(tmp_path)
+    (tmp_path / "m" / "rows.py").write_text("y = 2\n")
+    wide = {"sources": ["m/k.py", "m/rows.py"], "source_hash": source_hash(tmp_path, ["m/k.py", "m/rows.py"])}
+    monkeypatch.setattr(refresh, "REPO", tmp_path)
+    command = "compute-sanitizer --tool racecheck python3 -m pytest -q -m gpu m/tests/test_k.py"
+    put("h200", "san", fresh, kind="sanitizer", command=command)
+    put("h100", "san", "", kind="sanitizer", command=command, **wide)
+    put("h200", "test", fresh)
+    put("h100", "test", "", **wide)
+    model = EvidenceSet.load(ModelFolder(tmp_path, "m"))
+    assert all(model.freshness(r).fresh for r in model.records)
+    assert [r.rel for r in refresh.card_records(model, "h200")] == ["m/evidence/h200/san.json"]
+    assert refresh.card_records(model, "h100") == []
+
