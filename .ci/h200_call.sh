@@ -5,6 +5,7 @@
 #   step moe_test 120 python3 -m pytest -q -p no:cacheprovider -m gpu vllm/models/kimi_k3/nvidia/tests/test_moe_kernels.py
 #   step cov 120 record_coverage vllm/models/kimi_k3/nvidia/tests/test_specialized_steps_cuda.py
 #   refresh_stale        # every stale GPU record's command, as steps (.ci/h200_refresh.py)
+#   overlay_step judge 200 python3 -m ...   # a branch's code (.ci/carry_overlay.sh), beside HEAD's records
 #   gpu_memory_log       # first, to learn the peak memory of what ran (printed at exit)
 #
 # Needs, from the CPU side: `.devwheels/` carried (`bash ../shared/device/cutedsl_wheels.sh`,
@@ -104,6 +105,21 @@ record_coverage() {
       --out "$K3_EVIDENCE_DIR/kernels_coverage.json" --command "coverage run --source=$model/kernels -m pytest -q -m gpu $*"
 }
 export -f record_coverage
+
+# overlay_step NAME SECONDS CMD...: `step`, run over a copy of this tree with .nb9/overlay's files
+# laid on top (.ci/carry_overlay.sh REV on the CPU side): REV's code judged in the call that makes
+# HEAD's records. What it writes belongs in $W/judge, never in $K3_EVIDENCE_DIR: no record may
+# name HEAD's commit for REV's code
+overlay_step() {
+  [ -f .nb9/overlay/REV ] || { echo "overlay_step: no .nb9/overlay (run .ci/carry_overlay.sh REV and carry .nb9)"; return 2; }
+  rm -rf /tmp/overlay && mkdir -p /tmp/overlay "$W/judge" && cp -r vllm tools /tmp/overlay/ &&
+    (cd .nb9/overlay && find vllm tools -type f 2>/dev/null | while read -r f; do
+       mkdir -p "/tmp/overlay/$(dirname "$f")" && cp "$f" "/tmp/overlay/$f"; done)
+  echo "overlay_step: $(cat .nb9/overlay/REV) over this tree in /tmp/overlay"
+  local name=$1 limit=$2
+  shift 2
+  step "$name" "$limit" bash -c 'cd /tmp/overlay && K3_EVIDENCE_DIR="$W/judge" PYTHONPATH="/tmp/overlay:$PYTHONPATH" "$@"' _ "$@"
+}
 
 # refresh_stale: a step for each stale record of this card's folder (K3_GPU_FOLDER) and each GPU
 # record only another card has, its command rewritten for this machine by .ci/h200_refresh.py;
