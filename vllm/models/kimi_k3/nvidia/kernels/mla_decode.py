@@ -110,6 +110,9 @@ MAX_HEADS = 128
 MAX_CONTEXT = 1 << 20  # declared in SCOPE.yaml; longer contexts go to the standard path
 K3_TAU = 1.0 / math.sqrt(192.0)  # 1/sqrt(d_nope + d_rope): `launch`'s default softmax scale
 INFO = mla_combine.INFO_FIELDS
+# a timeline plan's readings per CTA: entry, work unit located, PDL wait over, first chunk landed,
+# last chunk's P·V issued, output written
+STAMPS = 6
 SMEM_PER_CTA = 227 * 1024
 SMEM_PER_SM = 228 * 1024  # sm_90 and sm_100
 SMEM_RESERVED_PER_CTA = 1024  # the system's share of each resident CTA
@@ -139,6 +142,7 @@ class DecodePlan:
     waves: int = 1
     min_chunks: int = 2
     mma: str = "sync"  # "sync": this file's kernel (mma.sync); "wgmma": mla_decode_wgmma's (sm_90a)
+    timeline: bool = False  # each CTA's thread 0 writes STAMPS %globaltimer readings (`launch(stamps=...)`)
 
     def __post_init__(self) -> None:
         if self.mma == "wgmma":
@@ -189,7 +193,8 @@ class DecodePlan:
     @property
     def kernel_key(self) -> tuple[int, ...]:
         """What a compile depends on (the split policy is not compiled)."""
-        return (self.heads, self.max_q, self.block_size, self.m_tiles, self.stages, self.warps, self.chunk, self.mma)
+        return (self.heads, self.max_q, self.block_size, self.m_tiles, self.stages, self.warps, self.chunk, self.mma,
+                self.timeline)
 
     @property
     def smem_ctas(self) -> int:
@@ -439,6 +444,15 @@ def _publish(info_ptr: cute.Pointer, slots: Int32, unit: Int32, tid: Int32, reco
 
 
 @cute.jit
+def _stamp(stamps_ptr: cute.Pointer, unit: Int32, tid: Int32, k: Constexpr, plan: Constexpr):
+    """Thread 0 of a timeline plan's CTA records %globaltimer (ns) as reading k of its unit."""
+    if cutlass.const_expr(plan.timeline):
+        if tid == 0:
+            stamps = cute.make_tensor(stamps_ptr, cute.make_layout(STAMPS * (unit + 1)))
+            stamps[STAMPS * unit + k] = cute.arch.globaltimer()
+
+
+@cute.jit
 def _chunk_rows(phys: cute.Tensor, table: cute.Tensor, chunk_idx: Int32, token_end: Int32, warp: Int32,
                 table_row: Int32, num_blocks: Int32, block_size: Constexpr, chunk: Constexpr, warps: Constexpr):
     """Cache rows (block · block_size + offset) of the warp's chunk / warps tokens w + warps·k of
@@ -497,11 +511,12 @@ def _quad_sum(x: Float32) -> Float32:
 def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointer,
                        lens_ptr: cute.Pointer, starts_ptr: cute.Pointer, out_ptr: cute.Pointer,
                        ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, info_ptr: cute.Pointer,
-                       rows: Int32, requests: Int32, num_blocks: Int32, max_blocks: Int32, slots: Int32,
+                       stamps_ptr: cute.Pointer, rows: Int32, requests: Int32, num_blocks: Int32, max_blocks: Int32, slots: Int32,
                        target: Int32, min_chunks: Int32, scale_log2: Float32, plan: Constexpr):
     cute.arch.griddepcontrol_launch_dependents()  # a PDL-launched GEMM may start its W loads (skinny_gemm.py)
     tid, _, _ = cute.arch.thread_idx()
     unit, _, _ = cute.arch.block_idx()
+    _stamp(stamps_ptr, unit, tid, 0, plan)
     lane = tid % 32
     warp = tid // 32
     g = lane // 4  # fragment row (and token of a B fragment)
@@ -537,7 +552,9 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
     if early == 1:
         _chunk_rows(phys, table, c0, token_end, warp, table_row, num_blocks, block_size, chunk, warps)
         _issue_chunk(g2s, cache_base, phys, warp, lane, chunk, warps, lambda row, vec: ring[None, 0, row, vec])
+    _stamp(stamps_ptr, unit, tid, 1, plan)
     _publish(info_ptr, slots, unit, tid, record)
+    _stamp(stamps_ptr, unit, tid, 2, plan)
     if req < requests:
         p_pairs = cute.make_tensor(p_vecs.iterator, cute.make_layout((2, tile_rows, p_pitch // 2),
                                                                      stride=(1, p_pitch, 2)))
@@ -593,6 +610,8 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
             # chunk `it` landed for every thread; every warp is done with chunk it − 1 (its stage
             # is refilled next) and with the previous weights and statistics
             cute.arch.sync_threads()
+            if it == 0:
+                _stamp(stamps_ptr, unit, tid, 3, plan)
             ahead = it + stages - 1
             if ahead < n_chunks:
                 _issue_chunk(g2s, cache_base, phys, warp, lane, chunk, warps,
@@ -681,6 +700,7 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
                     _mma(mma, cute.make_tensor(acc_o.iterator + 8 * m * pair, cute.make_layout((4, m, 2))),
                          p_frag, v_frag, m, 2)
         cute.arch.cp_async_wait_group(0)
+        _stamp(stamps_ptr, unit, tid, 4, plan)
 
         col0 = warp_cols * warp + 2 * c
         if splits == 1:
@@ -714,16 +734,18 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
                             if c == 0:
                                 ws_ml[unit * tile_rows + row, 0] = run_max[v1, mt]
                                 ws_ml[unit * tile_rows + row, 1] = run_sum[v1, mt]
+        _stamp(stamps_ptr, unit, tid, 5, plan)
 
 
 @cute.jit
 def _mla_decode_host(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointer,
                      lens_ptr: cute.Pointer, starts_ptr: cute.Pointer, out_ptr: cute.Pointer,
                      ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, info_ptr: cute.Pointer,
-                     rows: Int32, requests: Int32, num_blocks: Int32, max_blocks: Int32, slots: Int32,
-                     target: Int32, min_chunks: Int32, scale_log2: Float32, stream: cuda.CUstream, plan: Constexpr):
+                     stamps_ptr: cute.Pointer, rows: Int32, requests: Int32, num_blocks: Int32, max_blocks: Int32,
+                     slots: Int32, target: Int32, min_chunks: Int32, scale_log2: Float32, stream: cuda.CUstream,
+                     plan: Constexpr):
     _mla_decode_kernel(q_ptr, cache_ptr, table_ptr, lens_ptr, starts_ptr, out_ptr, ws_o_ptr, ws_ml_ptr, info_ptr,
-                       rows, requests, num_blocks, max_blocks, slots, target, min_chunks, scale_log2, plan).launch(
+                       stamps_ptr, rows, requests, num_blocks, max_blocks, slots, target, min_chunks, scale_log2, plan).launch(
         grid=(slots, 1, 1), block=(plan.threads, 1, 1), stream=stream, use_pdl=True,
         # a plan whose CTAs fit an SM's shared memory twice asks for all of it: left to itself the
         # driver may pick a smaller carveout that holds only one of them
@@ -737,8 +759,8 @@ def compile_mla_decode(plan: DecodePlan, arch: str, ptx_dir: str | None = None) 
     if plan.mma == "wgmma":
         from .mla_decode_wgmma import compile_mla_decode_wgmma  # it imports this module's helpers
         return compile_mla_decode_wgmma(plan, arch, ptx_dir)
-    bf, i32, f32 = gmem_ptr(BFloat16, 16), gmem_ptr(Int32, 16, 4), gmem_ptr(Float32, 16)
-    return cute.compile(_mla_decode_host, bf, bf, i32, i32, i32, bf, f32, f32, i32,
+    bf, i32, f32, i64 = gmem_ptr(BFloat16, 16), gmem_ptr(Int32, 16, 4), gmem_ptr(Float32, 16), gmem_ptr(Int64, 16, 8)
+    return cute.compile(_mla_decode_host, bf, bf, i32, i32, i32, bf, f32, f32, i32, i64,
                         Int32(1), Int32(1), Int32(2), Int32(1), Int32(1), Int32(1), Int32(1), Float32(1.0),
                         cute.runtime.make_fake_stream(), plan,
                         options=f"--gpu-arch {arch}" + (f" --keep-ptx --keep-cubin --dump-dir {ptx_dir}" if ptx_dir else ""))
@@ -825,7 +847,7 @@ _COMPILED: dict[tuple[tuple[int, ...], str], Any] = {}
 def launch(q_lat: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor,
            query_start: torch.Tensor, max_q: int, out: torch.Tensor | None = None, *,
            tau: float = K3_TAU, stream: torch.cuda.Stream | None = None, plan: DecodePlan | None = None,
-           target: int | None = None, min_chunks: int | None = None) -> torch.Tensor:
+           target: int | None = None, min_chunks: int | None = None, stamps: torch.Tensor | None = None) -> torch.Tensor:
     """ol [rows, heads, 512] bf16 (module docstring) into `out` (allocated when None) on `stream`,
     with softmax scale `tau` (the model's 1/sqrt(d_nope + d_rope); K3's by default).
 
@@ -833,7 +855,8 @@ def launch(q_lat: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
     call of a variant compiles (seconds); later calls only launch. `plan` (`choose_plan` when
     None; `sweep_plans` lists the variants a benchmark compares), `target` (work units to aim
     for; default `plan.waves` · SMs) and `min_chunks` (default `plan.min_chunks`) override the
-    defaults.
+    defaults. A `plan.timeline` plan writes its readings to `stamps`, int64 [grid, STAMPS] (the
+    grid is `grid_size`; `mla_timeline` reads them).
     """
     _need(isinstance(tau, (int, float)) and math.isfinite(tau) and tau > 0,
           f"tau={tau!r} (the softmax scale) must be a positive finite number")
@@ -855,6 +878,9 @@ def launch(q_lat: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
     min_chunks = plan.min_chunks if min_chunks is None else min_chunks
     _need(target >= 1 and min_chunks >= 1, f"target={target} and min_chunks={min_chunks} must be >= 1")
     slots = grid_size(plan, requests, target)
+    _need(plan.timeline == (stamps is not None), "stamps are given exactly when plan.timeline is set")
+    _need(stamps is None or (stamps.dtype == torch.int64 and stamps.is_cuda and stamps.numel() >= slots * STAMPS),
+          f"stamps must be a CUDA int64 tensor of >= {slots} x {STAMPS} readings")
     key = (plan.kernel_key, dev.arch)
     fn = _COMPILED.get(key)
     if fn is None:
@@ -868,6 +894,7 @@ def launch(q_lat: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
        gmem_ptr(Int32, block_table.data_ptr(), 4), gmem_ptr(Int32, seq_lens.data_ptr(), 4),
        gmem_ptr(Int32, query_start.data_ptr(), 4), gmem_ptr(BFloat16, out.data_ptr()),
        gmem_ptr(Float32, ws_o.data_ptr()), gmem_ptr(Float32, ws_ml.data_ptr()), gmem_ptr(Int32, info.data_ptr(), 4),
+       gmem_ptr(Int64, (stamps if stamps is not None else info).data_ptr(), 8),
        rows, requests, num_blocks, max_blocks, slots, target, min_chunks, tau * math.log2(math.e), cu_stream)
     mla_combine.launch(ws_o, ws_ml, info, out, slots, plan.tile_rows, dev.arch, cu_stream)
     return out

@@ -36,13 +36,13 @@ import cuda.bindings.driver as cuda
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90
-from cutlass import BFloat16, Constexpr, Float32, Int32
+from cutlass import BFloat16, Constexpr, Float32, Int32, Int64
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.tensor_utils import LayoutEnum  # cutlass.utils.LayoutEnum is deprecated in 4.8
 
 from . import mla_combine
 from .mla_decode import (LATENT, ROW, ROW_VECS, VEC, _chunk_rows, _claim, _first_chunk_early, _issue_chunk, _publish,
-                         _quad_max, _quad_sum)
+                         _quad_max, _quad_sum, _stamp)
 from .rows import gmem_ptr
 
 ARCHS = ("sm_90a",)
@@ -69,14 +69,15 @@ def _smem_vec(base: Int32, offset: Int32, n: Constexpr = VEC) -> cute.Tensor:
 @cute.kernel
 def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointer, lens_ptr: cute.Pointer,
             starts_ptr: cute.Pointer, out_ptr: cute.Pointer, ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer,
-            info_ptr: cute.Pointer, rows: Int32, requests: Int32, num_blocks: Int32, max_blocks: Int32,
-            slots: Int32, target: Int32, min_chunks: Int32, scale_log2: Float32,
+            info_ptr: cute.Pointer, stamps_ptr: cute.Pointer, rows: Int32, requests: Int32, num_blocks: Int32,
+            max_blocks: Int32, slots: Int32, target: Int32, min_chunks: Int32, scale_log2: Float32,
             mma_qk: cute.TiledMma, mma_pv: cute.TiledMma, q_layout: cute.ComposedLayout,
             k_layout: cute.ComposedLayout, v_layout: cute.ComposedLayout, p_layout: cute.ComposedLayout,
             plan: Constexpr):
     cute.arch.griddepcontrol_launch_dependents()  # as in mla_decode
     tid, _, _ = cute.arch.thread_idx()
     unit, _, _ = cute.arch.block_idx()
+    _stamp(stamps_ptr, unit, tid, 0, plan)
     lane = tid % 32
     warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
     group = warp // 4  # warpgroup: value columns HALF·group ..
@@ -101,7 +102,9 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
         _chunk_rows(phys, table, c0, token_end, warp, table_row, num_blocks, block_size, chunk, WARPS)
         _issue_chunk(g2s, cache_base, phys, warp, lane, chunk, WARPS,
                      lambda row, vec: _smem_vec(ring_base, swizzled(row, vec, chunk)))
+    _stamp(stamps_ptr, unit, tid, 1, plan)
     _publish(info_ptr, slots, unit, tid, record)
+    _stamp(stamps_ptr, unit, tid, 2, plan)
     if req < requests:
         q_swz = cute.recast_ptr(q_raw.iterator, q_layout.inner, dtype=BFloat16)
         ring_swz = cute.recast_ptr(ring_raw.iterator, k_layout.inner, dtype=BFloat16)
@@ -157,6 +160,8 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
             # refilled next
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
+            if it == 0:
+                _stamp(stamps_ptr, unit, tid, 3, plan)
             ahead = it + stages - 1
             if ahead < n_chunks:
                 _issue_chunk(g2s, cache_base, phys, warp, lane, chunk, WARPS,
@@ -231,6 +236,7 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
             warpgroup.commit_group()
             warpgroup.wait_group(0)
         cute.arch.cp_async_wait_group(0)
+        _stamp(stamps_ptr, unit, tid, 4, plan)
 
         # the row sums: the quad's, then the other warpgroup's (its reads of `red` ended before barrier 2)
         for v1 in cutlass.range_constexpr(2):
@@ -272,6 +278,7 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
                         if lane % 4 == 0:
                             ws_ml[unit * TILE_ROWS + row, 0] = run_max[v1]
                             ws_ml[unit * TILE_ROWS + row, 1] = run_sum[v1]
+        _stamp(stamps_ptr, unit, tid, 5, plan)
 
 
 def smem_layouts(chunk: int):
@@ -287,14 +294,15 @@ def smem_layouts(chunk: int):
 @cute.jit
 def _host(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointer, lens_ptr: cute.Pointer,
           starts_ptr: cute.Pointer, out_ptr: cute.Pointer, ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer,
-          info_ptr: cute.Pointer, rows: Int32, requests: Int32, num_blocks: Int32, max_blocks: Int32, slots: Int32,
-          target: Int32, min_chunks: Int32, scale_log2: Float32, stream: cuda.CUstream, plan: Constexpr):
+          info_ptr: cute.Pointer, stamps_ptr: cute.Pointer, rows: Int32, requests: Int32, num_blocks: Int32,
+          max_blocks: Int32, slots: Int32, target: Int32, min_chunks: Int32, scale_log2: Float32,
+          stream: cuda.CUstream, plan: Constexpr):
     mma_qk = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.K, Float32,
                                          (1, 1, 1), tiler_mn=(TILE_ROWS, plan.chunk // 2))
     mma_pv = sm90.make_trivial_tiled_mma(BFloat16, BFloat16, OperandMajorMode.K, OperandMajorMode.MN, Float32,
                                          (1, 1, 1), tiler_mn=(TILE_ROWS, HALF))
     q_layout, k_layout, v_layout, p_layout = smem_layouts(plan.chunk)
-    _kernel(q_ptr, cache_ptr, table_ptr, lens_ptr, starts_ptr, out_ptr, ws_o_ptr, ws_ml_ptr, info_ptr,
+    _kernel(q_ptr, cache_ptr, table_ptr, lens_ptr, starts_ptr, out_ptr, ws_o_ptr, ws_ml_ptr, info_ptr, stamps_ptr,
             rows, requests, num_blocks, max_blocks, slots, target, min_chunks, scale_log2,
             mma_qk, mma_pv, q_layout, k_layout, v_layout, p_layout, plan).launch(
         grid=(slots, 1, 1), block=(32 * WARPS, 1, 1), stream=stream, use_pdl=True)
@@ -304,8 +312,8 @@ def compile_mla_decode_wgmma(plan: Any, arch: str, ptx_dir: str | None = None) -
     """Compile one `mla_decode.DecodePlan` with mma="wgmma" for sm_90a; needs no GPU."""
     if arch not in ARCHS:
         raise ValueError(f"mla_decode_wgmma: wgmma needs one of {ARCHS}, got {arch}")
-    bf, i32, f32 = gmem_ptr(BFloat16, 16), gmem_ptr(Int32, 16, 4), gmem_ptr(Float32, 16)
-    return cute.compile(_host, bf, bf, i32, i32, i32, bf, f32, f32, i32,
+    bf, i32, f32, i64 = gmem_ptr(BFloat16, 16), gmem_ptr(Int32, 16, 4), gmem_ptr(Float32, 16), gmem_ptr(Int64, 16, 8)
+    return cute.compile(_host, bf, bf, i32, i32, i32, bf, f32, f32, i32, i64,
                         Int32(1), Int32(1), Int32(2), Int32(1), Int32(1), Int32(1), Int32(1), Float32(1.0),
                         cute.runtime.make_fake_stream(), plan,
                         options=f"--gpu-arch {arch}" + (f" --keep-ptx --keep-cubin --dump-dir {ptx_dir}" if ptx_dir else ""))
