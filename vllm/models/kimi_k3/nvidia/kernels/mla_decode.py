@@ -142,6 +142,7 @@ class DecodePlan:
     waves: int = 1
     min_chunks: int = 2
     mma: str = "sync"  # "sync": this file's kernel (mma.sync); "wgmma": mla_decode_wgmma's (sm_90a)
+    defer_table: bool = False  # the chunk loop reads the block table a chunk before it uses it
     timeline: bool = False  # each CTA's thread 0 writes STAMPS %globaltimer readings (`launch(stamps=...)`)
 
     def __post_init__(self) -> None:
@@ -194,7 +195,7 @@ class DecodePlan:
     def kernel_key(self) -> tuple[int, ...]:
         """What a compile depends on (the split policy is not compiled)."""
         return (self.heads, self.max_q, self.block_size, self.m_tiles, self.stages, self.warps, self.chunk, self.mma,
-                self.timeline)
+                self.defer_table, self.timeline)
 
     @property
     def smem_ctas(self) -> int:
@@ -240,9 +241,10 @@ def sweep_plans(heads: int, max_q: int, block_size: int, arch: str | None = None
     """The default plan first, then the variants a benchmark compares with it."""
     base = choose_plan(heads, max_q, block_size, arch)
     if base.mma == "wgmma":  # against the mma.sync kernel's default, and two waves
-        return [base, choose_plan(heads, max_q, block_size), replace(base, waves=2)]
+        return [base, replace(base, defer_table=True), choose_plan(heads, max_q, block_size), replace(base, waves=2)]
     rows = heads * max_q
     variants = [replace(base, **kw) for kw in (
+        {"defer_table": True},
         {"warps": 4, "chunk": 32, "stages": 4, "m_tiles": min(2, base.m_tiles), "waves": 4,
          "min_chunks": 4},  # the superseded GPU-tested shape
         {"warps": 4, "m_tiles": min(2, base.m_tiles)}, {"warps": 8},
@@ -453,15 +455,45 @@ def _stamp(stamps_ptr: cute.Pointer, unit: Int32, tid: Int32, k: Constexpr, plan
 
 
 @cute.jit
-def _chunk_rows(phys: cute.Tensor, table: cute.Tensor, chunk_idx: Int32, token_end: Int32, warp: Int32,
-                table_row: Int32, num_blocks: Int32, block_size: Constexpr, chunk: Constexpr, warps: Constexpr):
-    """Cache rows (block · block_size + offset) of the warp's chunk / warps tokens w + warps·k of
-    chunk `chunk_idx`; tokens at or past token_end repeat the last one (their scores are masked)."""
+def _chunk_blocks(blocks: cute.Tensor, table: cute.Tensor, chunk_idx: Int32, token_end: Int32, warp: Int32,
+                  table_row: Int32, block_size: Constexpr, chunk: Constexpr, warps: Constexpr):
+    """Block-table entries of the warp's chunk / warps tokens w + warps·k of chunk `chunk_idx`
+    (tokens at or past token_end repeat the last one). Loads only: `_chunk_rows` uses them, and a
+    `defer_table` plan does so a chunk later, off the path between two chunks' MMAs."""
     for k in cutlass.range_constexpr(chunk // warps):
         tok = cutlass.min(chunk_idx * chunk + warp + warps * k, token_end - 1)
-        page = tok // block_size
-        block = cutlass.max(cutlass.min(table[table_row + page], num_blocks - 1), 0)
-        phys[k] = block * block_size + (tok - page * block_size)
+        blocks[k] = table[table_row + tok // block_size]
+
+
+@cute.jit
+def _chunk_rows(phys: cute.Tensor, blocks: cute.Tensor, chunk_idx: Int32, token_end: Int32, warp: Int32,
+                num_blocks: Int32, block_size: Constexpr, chunk: Constexpr, warps: Constexpr):
+    """Cache rows (block · block_size + offset) of the tokens `_chunk_blocks` read the blocks of."""
+    for k in cutlass.range_constexpr(chunk // warps):
+        tok = cutlass.min(chunk_idx * chunk + warp + warps * k, token_end - 1)
+        block = cutlass.max(cutlass.min(blocks[k], num_blocks - 1), 0)
+        phys[k] = block * block_size + (tok - (tok // block_size) * block_size)
+
+
+@cute.jit
+def _locate_chunk(phys: cute.Tensor, blocks: cute.Tensor, table: cute.Tensor, chunk_idx: Int32, token_end: Int32,
+                  warp: Int32, table_row: Int32, num_blocks: Int32, block_size: Constexpr, chunk: Constexpr,
+                  warps: Constexpr):
+    """`_chunk_blocks` then `_chunk_rows`: the cache rows of chunk `chunk_idx`, waiting for the table."""
+    _chunk_blocks(blocks, table, chunk_idx, token_end, warp, table_row, block_size, chunk, warps)
+    _chunk_rows(phys, blocks, chunk_idx, token_end, warp, num_blocks, block_size, chunk, warps)
+
+
+@cute.jit
+def _next_chunk(phys: cute.Tensor, blocks: cute.Tensor, table: cute.Tensor, chunk_idx: Int32, token_end: Int32,
+                warp: Int32, table_row: Int32, num_blocks: Int32, block_size: Constexpr, chunk: Constexpr,
+                warps: Constexpr, defer: Constexpr):
+    """After issuing a chunk: read the table for chunk `chunk_idx`, the next to issue, and unless
+    `defer` compute its rows now (a `defer` kernel computes them with `_chunk_rows` right before
+    the issue, one chunk's compute later, when the loads have landed)."""
+    _chunk_blocks(blocks, table, chunk_idx, token_end, warp, table_row, block_size, chunk, warps)
+    if cutlass.const_expr(not defer):
+        _chunk_rows(phys, blocks, chunk_idx, token_end, warp, num_blocks, block_size, chunk, warps)
 
 
 @cute.jit
@@ -546,11 +578,12 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
     cache_base = cache_ptr.toint()
     table_row = req * max_blocks
     phys = cute.make_rmem_tensor(cute.make_layout(chunk // warps), Int32)
+    blocks = cute.make_rmem_tensor(cute.make_layout(chunk // warps), Int32)
     # the first chunk streams in while the kernel before this one finishes, if no kernel of the step
     # writes it (`_first_chunk_early`)
     early = _first_chunk_early(req, requests, length, q, c0, n_chunks, chunk)
     if early == 1:
-        _chunk_rows(phys, table, c0, token_end, warp, table_row, num_blocks, block_size, chunk, warps)
+        _locate_chunk(phys, blocks, table, c0, token_end, warp, table_row, num_blocks, block_size, chunk, warps)
         _issue_chunk(g2s, cache_base, phys, warp, lane, chunk, warps, lambda row, vec: ring[None, 0, row, vec])
     _stamp(stamps_ptr, unit, tid, 1, plan)
     _publish(info_ptr, slots, unit, tid, record)
@@ -574,12 +607,13 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
 
         for p in cutlass.range_constexpr(stages - 1):
             if p < (n_chunks if p > 0 else n_chunks * (1 - early)):  # chunk 0 unless it went early
-                _chunk_rows(phys, table, c0 + p, token_end, warp, table_row, num_blocks, block_size, chunk, warps)
+                _locate_chunk(phys, blocks, table, c0 + p, token_end, warp, table_row, num_blocks, block_size, chunk,
+                              warps)
                 _issue_chunk(g2s, cache_base, phys, warp, lane, chunk, warps,
                              lambda row, vec, st=Int32(p): ring[None, st, row, vec])
             cute.arch.cp_async_commit_group()  # one group per stage, empty or not: uniform waits
-        _chunk_rows(phys, table, c0 + cutlass.min(stages - 1, n_chunks - 1), token_end, warp, table_row, num_blocks,
-                    block_size, chunk, warps)
+        _next_chunk(phys, blocks, table, c0 + cutlass.min(stages - 1, n_chunks - 1), token_end, warp, table_row,
+                    num_blocks, block_size, chunk, warps, plan.defer_table)
 
         # per lane: rows 16·mt + 8·v1 + g of each tile; how far each may look (verify rows are causal)
         limit = cute.make_rmem_tensor(cute.make_layout((2, m)), Int32)
@@ -614,11 +648,13 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
                 _stamp(stamps_ptr, unit, tid, 3, plan)
             ahead = it + stages - 1
             if ahead < n_chunks:
+                if cutlass.const_expr(plan.defer_table):
+                    _chunk_rows(phys, blocks, c0 + ahead, token_end, warp, num_blocks, block_size, chunk, warps)
                 _issue_chunk(g2s, cache_base, phys, warp, lane, chunk, warps,
                              lambda row, vec, st=ahead % stages: ring[None, st, row, vec])
                 if ahead + 1 < n_chunks:
-                    _chunk_rows(phys, table, c0 + ahead + 1, token_end, warp, table_row, num_blocks, block_size,
-                                chunk, warps)
+                    _next_chunk(phys, blocks, table, c0 + ahead + 1, token_end, warp, table_row, num_blocks,
+                                block_size, chunk, warps, plan.defer_table)
             cute.arch.cp_async_commit_group()
             stage = it % stages
 

@@ -41,8 +41,8 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.tensor_utils import LayoutEnum  # cutlass.utils.LayoutEnum is deprecated in 4.8
 
 from . import mla_combine
-from .mla_decode import (LATENT, ROW, ROW_VECS, VEC, _chunk_rows, _claim, _first_chunk_early, _issue_chunk, _publish,
-                         _quad_max, _quad_sum, _stamp)
+from .mla_decode import (LATENT, ROW, ROW_VECS, VEC, _chunk_rows, _claim, _first_chunk_early, _issue_chunk,
+                         _locate_chunk, _next_chunk, _publish, _quad_max, _quad_sum, _stamp)
 from .rows import gmem_ptr
 
 ARCHS = ("sm_90a",)
@@ -97,9 +97,10 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
     ring_base = ring_raw.iterator.toint()
     table_row = req * max_blocks
     phys = cute.make_rmem_tensor(cute.make_layout(chunk // WARPS), Int32)
+    blocks = cute.make_rmem_tensor(cute.make_layout(chunk // WARPS), Int32)
     early = _first_chunk_early(req, requests, length, q, c0, n_chunks, chunk)  # as in mla_decode
     if early == 1:
-        _chunk_rows(phys, table, c0, token_end, warp, table_row, num_blocks, block_size, chunk, WARPS)
+        _locate_chunk(phys, blocks, table, c0, token_end, warp, table_row, num_blocks, block_size, chunk, WARPS)
         _issue_chunk(g2s, cache_base, phys, warp, lane, chunk, WARPS,
                      lambda row, vec: _smem_vec(ring_base, swizzled(row, vec, chunk)))
     _stamp(stamps_ptr, unit, tid, 1, plan)
@@ -120,13 +121,14 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
 
         for p in cutlass.range_constexpr(stages - 1):
             if p < (n_chunks if p > 0 else n_chunks * (1 - early)):  # chunk 0 unless it went early
-                _chunk_rows(phys, table, c0 + p, token_end, warp, table_row, num_blocks, block_size, chunk, WARPS)
+                _locate_chunk(phys, blocks, table, c0 + p, token_end, warp, table_row, num_blocks, block_size, chunk,
+                              WARPS)
                 _issue_chunk(g2s, cache_base, phys, warp, lane, chunk, WARPS,
                              lambda row, vec, st=Int32(p): _smem_vec(ring_base, st * (chunk * ROW)
                                                                      + swizzled(row, vec, chunk)))
             cute.arch.cp_async_commit_group()  # one group per stage, empty or not: uniform waits
-        _chunk_rows(phys, table, c0 + cutlass.min(stages - 1, n_chunks - 1), token_end, warp, table_row, num_blocks,
-                    block_size, chunk, WARPS)
+        _next_chunk(phys, blocks, table, c0 + cutlass.min(stages - 1, n_chunks - 1), token_end, warp, table_row,
+                    num_blocks, block_size, chunk, WARPS, plan.defer_table)
 
         half = chunk // 2  # tokens each warpgroup scores
         thr_qk = mma_qk.get_slice(wg_tid)
@@ -164,12 +166,14 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
                 _stamp(stamps_ptr, unit, tid, 3, plan)
             ahead = it + stages - 1
             if ahead < n_chunks:
+                if cutlass.const_expr(plan.defer_table):
+                    _chunk_rows(phys, blocks, c0 + ahead, token_end, warp, num_blocks, block_size, chunk, WARPS)
                 _issue_chunk(g2s, cache_base, phys, warp, lane, chunk, WARPS,
                              lambda row, vec, st=ahead % stages: _smem_vec(ring_base, st * (chunk * ROW)
                                                                            + swizzled(row, vec, chunk)))
                 if ahead + 1 < n_chunks:
-                    _chunk_rows(phys, table, c0 + ahead + 1, token_end, warp, table_row, num_blocks, block_size,
-                                chunk, WARPS)
+                    _next_chunk(phys, blocks, table, c0 + ahead + 1, token_end, warp, table_row, num_blocks,
+                                block_size, chunk, WARPS, plan.defer_table)
             cute.arch.cp_async_commit_group()
             stage_ptr = ring_swz + (it % stages) * (chunk * ROW)
             keys = cute.local_tile(cute.make_tensor(stage_ptr, k_layout.outer), (half, ROW), (group, 0))
