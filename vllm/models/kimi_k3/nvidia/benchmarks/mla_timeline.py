@@ -2,7 +2,8 @@
 
 A diagnostic for issue 7's fixed cost (one request at 32K: 23.5 µs on the H200 against an 8.9 µs
 floor). Each case runs `bench_mla_decode`'s graph of back-to-back launches (cold L2) twice: the
-default plan, then the same plan with `timeline=True`, whose CTAs' thread 0 record
+default plan, the same plan with `defer_table=True` (the block table read a chunk before its use;
+its output compared with the default's), then the default with `timeline=True`, whose CTAs' thread 0 record
 `mla_decode.STAMPS` readings: entry, work unit located, PDL wait over, first chunk landed, last
 chunk done, output written. From the last replay, per launch (the first of the graph dropped),
 medians over the working CTAs of each phase, and across launches the kernel's span (first entry
@@ -69,6 +70,10 @@ def run_case(heads: int, q: int, requests: int, context: int, copy_bw: float, ge
     timed = replace(plan, timeline=True)
     out = torch.full((requests * q, heads, LATENT), float("nan"), device="cuda", dtype=torch.bfloat16)
     plain_us = time_graph(case.launches(out, plan), replays=10)
+    judge = out.clone()
+    out.fill_(float("nan"))
+    defer_us = time_graph(case.launches(out, replace(plan, defer_table=True)), replays=10)
+    defer_err = float((out.float() - judge.float()).norm() / judge.float().norm())
     units = units_of(case, plan, sm_count)
     slots = mla_decode.grid_size(plan, requests, mla_decode.default_target(sm_count, plan))
     launches, stamps = [], []
@@ -80,6 +85,7 @@ def run_case(heads: int, q: int, requests: int, context: int, copy_bw: float, ge
             case.q_lat, case.cache, table, case.seq_lens, case.query_start, q, out, plan=timed, stamps=st))
     timeline_us = time_graph(launches, replays=10)
     res = {"name": case.name, "floor_us": case.cache_bytes / (copy_bw * 1e12) * 1e6, "time_us": plain_us,
+           "defer_table_us": defer_us, "defer_table_rel_err_vs_default": defer_err,
            "timeline_plan_us": timeline_us, "work_units": len(units),
            "chunks_per_unit": _median([u.chunk_end - u.chunk_begin for u in units])}
     res.update(analyse(stamps, units))
@@ -89,7 +95,8 @@ def run_case(heads: int, q: int, requests: int, context: int, copy_bw: float, ge
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cases", nargs="+", default=["6,1,1,4096", "6,1,1,32768", "6,1,1,131072", "6,1,8,32768",
-                                                  "12,8,1,32768", "6,8,1,32768"],
+                                                  "12,8,1,32768", "6,8,1,32768", "6,8,8,131072", "12,8,8,131072",
+                                                  "6,1,64,32768", "6,8,1,1048576"],
                    help="heads,q,requests,context")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
@@ -105,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "copy_bandwidth_TBps": copy_bw, "results": results}, f,
                       indent=1)
-    cols = ("time_us", "timeline_plan_us", "floor_us", "period", "span", "entry_spread", *PHASES, "per_chunk",
+    cols = ("time_us", "defer_table_us", "timeline_plan_us", "floor_us", "period", "span", "entry_spread", *PHASES, "per_chunk",
             "last_end_minus_first_end", "after_end_to_next_wait")
     print("case | " + " | ".join(cols) + " | chunks/unit")
     for r in results:
