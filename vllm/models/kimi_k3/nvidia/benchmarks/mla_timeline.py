@@ -71,9 +71,15 @@ def run_case(heads: int, q: int, requests: int, context: int, copy_bw: float, ge
     out = torch.full((requests * q, heads, LATENT), float("nan"), device="cuda", dtype=torch.bfloat16)
     plain_us = time_graph(case.launches(out, plan), replays=10)
     judge = out.clone()
-    out.fill_(float("nan"))
-    defer_us = time_graph(case.launches(out, replace(plan, defer_table=True)), replays=10)
-    defer_err = float((out.float() - judge.float()).norm() / judge.float().norm())
+    variants = {"defer_table": {"defer_table": True}}
+    if plan.mma == "wgmma":
+        variants |= {"copies_under_qk": {"copies_under_qk": True},
+                     "both": {"defer_table": True, "copies_under_qk": True}}
+    var_us, var_err = {}, {}
+    for name, kw in variants.items():
+        out.fill_(float("nan"))
+        var_us[name] = time_graph(case.launches(out, replace(plan, **kw)), replays=10)
+        var_err[name] = float((out.float() - judge.float()).norm() / judge.float().norm())
     units = units_of(case, plan, sm_count)
     slots = mla_decode.grid_size(plan, requests, mla_decode.default_target(sm_count, plan))
     launches, stamps = [], []
@@ -85,7 +91,7 @@ def run_case(heads: int, q: int, requests: int, context: int, copy_bw: float, ge
             case.q_lat, case.cache, table, case.seq_lens, case.query_start, q, out, plan=timed, stamps=st))
     timeline_us = time_graph(launches, replays=10)
     res = {"name": case.name, "floor_us": case.cache_bytes / (copy_bw * 1e12) * 1e6, "time_us": plain_us,
-           "defer_table_us": defer_us, "defer_table_rel_err_vs_default": defer_err,
+           "variants_us": var_us, "variants_rel_err_vs_default": var_err,
            "timeline_plan_us": timeline_us, "work_units": len(units),
            "chunks_per_unit": _median([u.chunk_end - u.chunk_begin for u in units])}
     res.update(analyse(stamps, units))
@@ -112,11 +118,15 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.out, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "copy_bandwidth_TBps": copy_bw, "results": results}, f,
                       indent=1)
-    cols = ("time_us", "defer_table_us", "timeline_plan_us", "floor_us", "period", "span", "entry_spread", *PHASES, "per_chunk",
+    cols = ("time_us", "timeline_plan_us", "floor_us", "period", "span", "entry_spread", *PHASES, "per_chunk",
             "last_end_minus_first_end", "after_end_to_next_wait")
     print("case | " + " | ".join(cols) + " | chunks/unit")
     for r in results:
         print(r["name"] + " | " + " | ".join(f"{r[c]:.2f}" for c in cols) + f" | {r['chunks_per_unit']}")
+    print("case | default µs | " + " | ".join(f"{v} µs (rel err)" for v in ("defer_table", "copies_under_qk", "both")))
+    for r in results:
+        print(r["name"] + f" | {r['time_us']:.2f} | " + " | ".join(
+            f"{us:.2f} ({r['variants_rel_err_vs_default'][v]:.1e})" for v, us in r["variants_us"].items()))
     return 0
 
 

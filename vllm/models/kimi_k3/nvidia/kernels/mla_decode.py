@@ -143,6 +143,7 @@ class DecodePlan:
     min_chunks: int = 2
     mma: str = "sync"  # "sync": this file's kernel (mma.sync); "wgmma": mla_decode_wgmma's (sm_90a)
     defer_table: bool = False  # the chunk loop reads the block table a chunk before it uses it
+    copies_under_qk: bool = False  # wgmma: the next chunk's copies issue after the scores' wgmma, before its wait
     timeline: bool = False  # each CTA's thread 0 writes STAMPS %globaltimer readings (`launch(stamps=...)`)
 
     def __post_init__(self) -> None:
@@ -156,6 +157,8 @@ class DecodePlan:
             raise ValueError(f"{self}: need mma 'sync' or 'wgmma'; warps 4 or 8, chunk 32 or 64 with 8·warps | chunk, "
                              "m_tiles 1..4 with m_tiles · 512 / warps <= 256 (64 FP32 accumulators per 16 rows and "
                              "128 columns), stages 2..8")
+        if self.copies_under_qk and self.mma != "wgmma":
+            raise ValueError(f"{self}: copies_under_qk needs the wgmma kernel (its scores are asynchronous)")
         if self.waves < 1 or self.min_chunks < 1:
             raise ValueError(f"{self}: need waves >= 1, min_chunks >= 1")
 
@@ -195,7 +198,7 @@ class DecodePlan:
     def kernel_key(self) -> tuple[int, ...]:
         """What a compile depends on (the split policy is not compiled)."""
         return (self.heads, self.max_q, self.block_size, self.m_tiles, self.stages, self.warps, self.chunk, self.mma,
-                self.defer_table, self.timeline)
+                self.defer_table, self.copies_under_qk, self.timeline)
 
     @property
     def smem_ctas(self) -> int:
@@ -241,7 +244,9 @@ def sweep_plans(heads: int, max_q: int, block_size: int, arch: str | None = None
     """The default plan first, then the variants a benchmark compares with it."""
     base = choose_plan(heads, max_q, block_size, arch)
     if base.mma == "wgmma":  # against the mma.sync kernel's default, and two waves
-        return [base, replace(base, defer_table=True), choose_plan(heads, max_q, block_size), replace(base, waves=2)]
+        return [base, replace(base, defer_table=True), replace(base, copies_under_qk=True),
+                replace(base, defer_table=True, copies_under_qk=True), choose_plan(heads, max_q, block_size),
+                replace(base, waves=2)]
     rows = heads * max_q
     variants = [replace(base, **kw) for kw in (
         {"defer_table": True},

@@ -66,6 +66,25 @@ def _smem_vec(base: Int32, offset: Int32, n: Constexpr = VEC) -> cute.Tensor:
                             cute.make_layout(n))
 
 
+@cute.jit
+def _refill(g2s: cute.CopyAtom, cache_base: Int64, phys: cute.Tensor, blocks: cute.Tensor, table: cute.Tensor,
+            ring_base: Int32, ahead: Int32, n_chunks: Int32, c0: Int32, token_end: Int32, warp: Int32, lane: Int32,
+            table_row: Int32, num_blocks: Int32, plan: Constexpr):
+    """Issue chunk `ahead` (if any) into its stage, read the table for the one after, and commit the
+    cp.async group (one a chunk, empty or not: uniform waits)."""
+    stages, chunk, block_size = plan.stages, plan.chunk, plan.block_size
+    if ahead < n_chunks:
+        if cutlass.const_expr(plan.defer_table):
+            _chunk_rows(phys, blocks, c0 + ahead, token_end, warp, num_blocks, block_size, chunk, WARPS)
+        _issue_chunk(g2s, cache_base, phys, warp, lane, chunk, WARPS,
+                     lambda row, vec, st=ahead % stages: _smem_vec(ring_base, st * (chunk * ROW)
+                                                                   + swizzled(row, vec, chunk)))
+        if ahead + 1 < n_chunks:
+            _next_chunk(phys, blocks, table, c0 + ahead + 1, token_end, warp, table_row, num_blocks, block_size,
+                        chunk, WARPS, plan.defer_table)
+    cute.arch.cp_async_commit_group()
+
+
 @cute.kernel
 def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointer, lens_ptr: cute.Pointer,
             starts_ptr: cute.Pointer, out_ptr: cute.Pointer, ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer,
@@ -164,17 +183,9 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
             cute.arch.sync_threads()
             if it == 0:
                 _stamp(stamps_ptr, unit, tid, 3, plan)
-            ahead = it + stages - 1
-            if ahead < n_chunks:
-                if cutlass.const_expr(plan.defer_table):
-                    _chunk_rows(phys, blocks, c0 + ahead, token_end, warp, num_blocks, block_size, chunk, WARPS)
-                _issue_chunk(g2s, cache_base, phys, warp, lane, chunk, WARPS,
-                             lambda row, vec, st=ahead % stages: _smem_vec(ring_base, st * (chunk * ROW)
-                                                                           + swizzled(row, vec, chunk)))
-                if ahead + 1 < n_chunks:
-                    _next_chunk(phys, blocks, table, c0 + ahead + 1, token_end, warp, table_row, num_blocks,
-                                block_size, chunk, WARPS, plan.defer_table)
-            cute.arch.cp_async_commit_group()
+            if cutlass.const_expr(not plan.copies_under_qk):
+                _refill(g2s, cache_base, phys, blocks, table, ring_base, it + stages - 1, n_chunks, c0, token_end,
+                        warp, lane, table_row, num_blocks, plan)
             stage_ptr = ring_swz + (it % stages) * (chunk * ROW)
             keys = cute.local_tile(cute.make_tensor(stage_ptr, k_layout.outer), (half, ROW), (group, 0))
             frag_k = mma_qk.make_fragment_B(thr_qk.partition_B(keys))
@@ -190,6 +201,9 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
             for kb in cutlass.range_constexpr(ROW // 16):
                 cute.gemm(mma_qk, acc_s, frag_q[None, None, kb], frag_k[None, None, kb], acc_s)
             warpgroup.commit_group()
+            if cutlass.const_expr(plan.copies_under_qk):  # the copies issue while the tensor cores score
+                _refill(g2s, cache_base, phys, blocks, table, ring_base, it + stages - 1, n_chunks, c0, token_end,
+                        warp, lane, table_row, num_blocks, plan)
             warpgroup.wait_group(0)
 
             # online softmax: the row max over both warpgroups' tokens (through shared memory),
