@@ -106,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="heads,q,requests,context")
     p.add_argument("--out", default=None)
     args = p.parse_args(argv)
-    require_cuda()
+    require_cuda(p)
     copy_bw = copy_bandwidth_TBps()
     gen = torch.Generator(device="cuda").manual_seed(0)
     results = []
