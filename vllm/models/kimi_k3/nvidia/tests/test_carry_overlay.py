@@ -8,6 +8,7 @@ device's does (under `timeout`, its output in $W/NAME.log).
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -64,7 +65,7 @@ def test_overlay_step_runs_the_branch_code_and_writes_outside_the_evidence(repo:
     script = ('step() { local name=$1 limit=$2; shift 2; timeout "$limit" "$@" > "$W/$name.log" 2>&1; }\n'
               + functions + '\noverlay_step judge 60 python3 -c '
               '"import os, vllm.pkg.kernel as k; print(k.VERSION, os.environ[\'K3_EVIDENCE_DIR\'])"\n')
-    env = {"PATH": "/usr/bin:/bin", "W": str(w), "K3_EVIDENCE_DIR": str(w / "ev"), "PYTHONPATH": ""}
+    env = dict(os.environ, W=str(w), K3_EVIDENCE_DIR=str(w / "ev"), PYTHONPATH="")
     _sh(repo, "bash", "-c", script, env=env)
     assert (w / "judge.log").read_text().split() == ["judged", str(w / "judge")]
     assert _sh(repo, "git", "status", "--porcelain", "--", "vllm") == ""  # the tree itself is untouched
