@@ -43,6 +43,8 @@ def repo(tmp_path: Path) -> Path:
     _sh(r, *git, "add", "-A")
     _sh(r, *git, "commit", "-qm", "judged")
     _sh(r, "git", "checkout", "-q", "main")
+    (r / "tools/t.py").write_text("# main moved on after the fork\n")
+    _sh(r, *git, "commit", "-qam", "main after the fork")
     return r
 
 
@@ -51,9 +53,21 @@ def test_overlay_holds_what_the_branch_adds_or_changes(repo: Path):
     overlay = repo / ".nb9/overlay"
     assert (overlay / "vllm/pkg/kernel.py").read_text() == "VERSION = 'judged'\n"
     assert (overlay / "vllm/pkg/new.py").exists()
+    # main's later change to tools/t.py is not undone by the branch's older copy
     assert not (overlay / "vllm/pkg/gone.py").exists() and not (overlay / "tools/t.py").exists()
     assert (overlay / "REV").read_text().strip() == _sh(repo, "git", "rev-parse", "judged").strip()
     assert "1 file(s) that" in out  # the deleted file is named as staying
+
+
+def test_a_branch_kept_by_merge_ours_needs_its_base(repo: Path):
+    git = ("git", "-c", "user.email=t@t", "-c", "user.name=t")
+    fork = _sh(repo, "git", "merge-base", "main", "judged").strip()
+    _sh(repo, *git, "merge", "-q", "-s", "ours", "--no-edit", "judged")
+    refused = subprocess.run(["bash", str(ROOT / ".ci/carry_overlay.sh"), "judged"], cwd=repo, capture_output=True,
+                             text=True)
+    assert refused.returncode == 2 and "name the commit it forked from" in refused.stdout
+    _sh(repo, "bash", str(ROOT / ".ci/carry_overlay.sh"), "judged", fork)
+    assert (repo / ".nb9/overlay/vllm/pkg/kernel.py").read_text() == "VERSION = 'judged'\n"
 
 
 def test_overlay_step_runs_the_branch_code_and_writes_outside_the_evidence(repo: Path, tmp_path: Path):
