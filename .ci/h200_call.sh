@@ -113,8 +113,7 @@ export -f record_coverage
 overlay_step() {
   [ -f .nb9/overlay/REV ] || { echo "overlay_step: no .nb9/overlay (run .ci/carry_overlay.sh REV and carry .nb9)"; return 2; }
   rm -rf /tmp/overlay && mkdir -p /tmp/overlay "$W/judge" && cp -r vllm tools /tmp/overlay/ &&
-    (cd .nb9/overlay && find vllm tools -type f 2>/dev/null | while read -r f; do
-       mkdir -p "/tmp/overlay/$(dirname "$f")" && cp "$f" "/tmp/overlay/$f"; done)
+    cp -r .nb9/overlay/. /tmp/overlay/
   echo "overlay_step: $(cat .nb9/overlay/REV) over this tree in /tmp/overlay"
   local name=$1 limit=$2
   shift 2

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[5]
+GIT = ("git", "-c", "user.email=t@t", "-c", "user.name=t")
 
 
 def _sh(cwd: Path, *args: str, env: dict | None = None) -> str:
@@ -32,19 +33,18 @@ def repo(tmp_path: Path) -> Path:
     (r / "vllm/pkg/kernel.py").write_text("VERSION = 'head'\n")
     (r / "vllm/pkg/gone.py").write_text("x = 1\n")
     (r / "tools/t.py").write_text("")
-    git = ("git", "-c", "user.email=t@t", "-c", "user.name=t")
     _sh(r, "git", "init", "-q", "-b", "main")
-    _sh(r, *git, "add", "-A")
-    _sh(r, *git, "commit", "-qm", "head")
+    _sh(r, *GIT, "add", "-A")
+    _sh(r, *GIT, "commit", "-qm", "head")
     _sh(r, "git", "checkout", "-qb", "judged")
     (r / "vllm/pkg/kernel.py").write_text("VERSION = 'judged'\n")
     (r / "vllm/pkg/new.py").write_text("NEW = True\n")
     (r / "vllm/pkg/gone.py").unlink()
-    _sh(r, *git, "add", "-A")
-    _sh(r, *git, "commit", "-qm", "judged")
+    _sh(r, *GIT, "add", "-A")
+    _sh(r, *GIT, "commit", "-qm", "judged")
     _sh(r, "git", "checkout", "-q", "main")
     (r / "tools/t.py").write_text("# main moved on after the fork\n")
-    _sh(r, *git, "commit", "-qam", "main after the fork")
+    _sh(r, *GIT, "commit", "-qam", "main after the fork")
     return r
 
 
@@ -60,9 +60,8 @@ def test_overlay_holds_what_the_branch_adds_or_changes(repo: Path):
 
 
 def test_a_branch_kept_by_merge_ours_needs_its_base(repo: Path):
-    git = ("git", "-c", "user.email=t@t", "-c", "user.name=t")
     fork = _sh(repo, "git", "merge-base", "main", "judged").strip()
-    _sh(repo, *git, "merge", "-q", "-s", "ours", "--no-edit", "judged")
+    _sh(repo, *GIT, "merge", "-q", "-s", "ours", "--no-edit", "judged")
     refused = subprocess.run(["bash", str(ROOT / ".ci/carry_overlay.sh"), "judged"], cwd=repo, capture_output=True,
                              text=True)
     assert refused.returncode == 2 and "name the commit it forked from" in refused.stdout
