@@ -75,6 +75,8 @@ def run_case(heads: int, q: int, requests: int, context: int, copy_bw: float, ge
     if plan.mma == "wgmma":
         variants |= {"copies_under_qk": {"copies_under_qk": True},
                      "both": {"defer_table": True, "copies_under_qk": True}}
+    else:
+        variants |= {"fan_in_4": {"fan_in": 4}, "fan_in_8": {"fan_in": 8}, "fan_in_16": {"fan_in": 16}}
     var_us, var_err = {}, {}
     for name, kw in variants.items():
         out.fill_(float("nan"))
@@ -123,10 +125,10 @@ def main(argv: list[str] | None = None) -> int:
     print("case | " + " | ".join(cols) + " | chunks/unit")
     for r in results:
         print(r["name"] + " | " + " | ".join(f"{r[c]:.2f}" for c in cols) + f" | {r['chunks_per_unit']}")
-    print("case | default µs | " + " | ".join(f"{v} µs (rel err)" for v in ("defer_table", "copies_under_qk", "both")))
+    print("case | default µs | variant µs (rel err vs default) ...")
     for r in results:
         print(r["name"] + f" | {r['time_us']:.2f} | " + " | ".join(
-            f"{us:.2f} ({r['variants_rel_err_vs_default'][v]:.1e})" for v, us in r["variants_us"].items()))
+            f"{v} {us:.2f} ({r['variants_rel_err_vs_default'][v]:.1e})" for v, us in r["variants_us"].items()))
     return 0
 
 

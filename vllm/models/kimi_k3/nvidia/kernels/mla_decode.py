@@ -145,6 +145,7 @@ class DecodePlan:
     defer_table: bool = False  # the chunk loop reads the block table a chunk before it uses it
     copies_under_qk: bool = False  # wgmma: the next chunk's copies issue after the scores' wgmma, before its wait
     timeline: bool = False  # each CTA's thread 0 writes STAMPS %globaltimer readings (`launch(stamps=...)`)
+    fan_in: int = 0  # sync: 0 launches the combine; 4..16 merges the splits in-kernel (`mla_combine.merge_splits`)
 
     def __post_init__(self) -> None:
         if self.mma == "wgmma":
@@ -159,6 +160,8 @@ class DecodePlan:
                              "128 columns), stages 2..8")
         if self.copies_under_qk and self.mma != "wgmma":
             raise ValueError(f"{self}: copies_under_qk needs the wgmma kernel (its scores are asynchronous)")
+        if self.fan_in and (self.mma != "sync" or not 4 <= self.fan_in <= 16):
+            raise ValueError(f"{self}: fan_in (the in-kernel combine's tree) is 0, or 4..16 with mma 'sync'")
         if self.waves < 1 or self.min_chunks < 1:
             raise ValueError(f"{self}: need waves >= 1, min_chunks >= 1")
 
@@ -198,7 +201,7 @@ class DecodePlan:
     def kernel_key(self) -> tuple[int, ...]:
         """What a compile depends on (the split policy is not compiled)."""
         return (self.heads, self.max_q, self.block_size, self.m_tiles, self.stages, self.warps, self.chunk, self.mma,
-                self.defer_table, self.copies_under_qk, self.timeline)
+                self.defer_table, self.copies_under_qk, self.timeline, self.fan_in)
 
     @property
     def smem_ctas(self) -> int:
@@ -213,7 +216,8 @@ class DecodePlan:
         q_tile = 2 * self.tile_rows * PITCH
         weights = 2 * self.tile_rows * self.p_pitch
         stats = 2 * 4 * self.warps * self.tile_rows
-        return ring + q_tile + weights + stats + 4 * 128  # alignment slack
+        merge = 4 * mla_combine.merge_smem_floats(self.fan_in, self.tile_rows) + 32 if self.fan_in else 0
+        return ring + q_tile + weights + stats + merge + 4 * 128  # alignment slack
 
 
 WGMMA_ARCHS = ("sm_90a",)
@@ -253,7 +257,7 @@ def sweep_plans(heads: int, max_q: int, block_size: int, arch: str | None = None
         {"warps": 4, "chunk": 32, "stages": 4, "m_tiles": min(2, base.m_tiles), "waves": 4,
          "min_chunks": 4},  # the superseded GPU-tested shape
         {"warps": 4, "m_tiles": min(2, base.m_tiles)}, {"warps": 8},
-        {"waves": 2}, {"waves": 4, "min_chunks": 4}, {"min_chunks": 8},
+        {"waves": 2}, {"waves": 4, "min_chunks": 4}, {"min_chunks": 8}, {"fan_in": 8}, {"fan_in": 16},
         {"m_tiles": min(4 if base.warps == 8 else 2, -(-rows // 16))}, {"m_tiles": max(1, base.m_tiles - 1)})]
     # Two CTAs an SM at once (up to 16 query rows: 96 KB each): one CTA's copies stream while the
     # other computes, where the default's single CTA alternates between waiting and computing;
@@ -578,6 +582,10 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
                                    byte_alignment=16)
     red_sum = smem.allocate_tensor(Float32, cute.make_layout((warps, tile_rows), stride=(tile_rows, 1)),
                                    byte_alignment=16)
+    if cutlass.const_expr(plan.fan_in):
+        merge_scratch = smem.allocate_tensor(
+            Float32, cute.make_layout(mla_combine.merge_smem_floats(plan.fan_in, tile_rows)), byte_alignment=16)
+        ticket_box = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=16)
     g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
                               BFloat16, num_bits_per_copy=128)
     cache_base = cache_ptr.toint()
@@ -775,6 +783,11 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
                             if c == 0:
                                 ws_ml[unit * tile_rows + row, 0] = run_max[v1, mt]
                                 ws_ml[unit * tile_rows + row, 1] = run_sum[v1, mt]
+            if cutlass.const_expr(plan.fan_in):
+                # the tree's counters follow the records (`_split_scratch`)
+                mla_combine.merge_splits(ws_o_ptr, ws_ml_ptr, info_ptr + slots * INFO, out_ptr, slots, rows * heads,
+                                         record[1], splits, record[3], record[4], valid_rows, out_base, tid,
+                                         merge_scratch, ticket_box, threads, tile_rows, plan.fan_in)
         _stamp(stamps_ptr, unit, tid, 5, plan)
 
 
@@ -874,12 +887,13 @@ MIN_CHUNKS = DecodePlan(1, 1, 1).min_chunks  # the default plan's fewest chunks 
 
 def _split_scratch(dev: DeviceFacts, slots: int, tile_rows: int) -> tuple[torch.Tensor, ...]:
     """FP32 partial outputs [slots, tile_rows, 512], their (max, sum) [slots, tile_rows, 2] and
-    the per-slot records [slots, INFO] int32, one set per grid shape (the kernels rewrite what
-    they read)."""
+    the per-slot records [slots, INFO] int32 followed by an in-kernel combine's tree counters
+    [slots, COUNT_LEVELS] (zero, and left zero by every launch), one set per grid shape (the
+    kernels rewrite what they read)."""
     return dev.scratch(("mla_decode", slots, tile_rows), lambda d: (
         torch.empty(slots * tile_rows * LATENT, dtype=torch.float32, device=d),
         torch.empty(slots * tile_rows * 2, dtype=torch.float32, device=d),
-        torch.empty(slots * INFO, dtype=torch.int32, device=d)))
+        torch.zeros(slots * (INFO + mla_combine.COUNT_LEVELS), dtype=torch.int32, device=d)))
 
 
 _COMPILED: dict[tuple[tuple[int, ...], str], Any] = {}
@@ -937,5 +951,6 @@ def launch(q_lat: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
        gmem_ptr(Float32, ws_o.data_ptr()), gmem_ptr(Float32, ws_ml.data_ptr()), gmem_ptr(Int32, info.data_ptr(), 4),
        gmem_ptr(Int64, (stamps if stamps is not None else info).data_ptr(), 8),
        rows, requests, num_blocks, max_blocks, slots, target, min_chunks, tau * math.log2(math.e), cu_stream)
-    mla_combine.launch(ws_o, ws_ml, info, out, slots, plan.tile_rows, dev.arch, cu_stream)
+    if not plan.fan_in:
+        mla_combine.launch(ws_o, ws_ml, info, out, slots, plan.tile_rows, dev.arch, cu_stream)
     return out

@@ -497,6 +497,59 @@ def test_combine_teams_take_every_piece_and_every_split_once():
         assert sorted(x for x in merged if x < splits) == list(range(splits)), splits
 
 
+def _climb_tree(splits: int, fan_in: int, stride: int, rng: random.Random) -> tuple[dict, list, list]:
+    """`mla_combine.merge_splits` run on the host with the splits' CTAs interleaved at random: each
+    step one CTA arrives at its next node (its ticket from that node's counter) and, if it is the
+    last of the node's children, merges them into the node's slot and climbs on. A slot holds
+    (level, index, the level-0 splits merged in it); returns the slots, the counters, and what
+    the root's merger wrote."""
+    slot0 = 3
+    slots = {slot0 + s * stride: (0, s, [s]) for s in range(splits)}
+    counts: dict[tuple[int, int], int] = {}
+    written: list = []
+    ctas = {s: (s, splits, 1, 0) for s in range(splits)}  # idx, n, span, level
+    while ctas:
+        s = rng.choice(sorted(ctas))
+        idx, n, span, level = ctas.pop(s)
+        if n <= 1:
+            continue
+        assert level < mla_combine.COUNT_LEVELS
+        group, child0, members = mla_combine.tree_node(idx, n, fan_in, min)
+        node = slot0 + child0 * span * stride
+        ticket = counts.get((node, level), 0)
+        counts[(node, level)] = ticket + 1
+        if ticket != members - 1:
+            continue
+        counts[(node, level)] = 0
+        merged = []
+        for ch in range(members):
+            lvl, index, parts = slots[slot0 + (child0 + ch) * span * stride]
+            assert (lvl, index) == (level, child0 + ch), (splits, fan_in, "read a stale or foreign partial")
+            merged += parts
+        if n <= fan_in:
+            written.append(merged)
+        else:
+            slots[node] = (level + 1, group, merged)
+        ctas[s] = (group, -(-n // fan_in), span * fan_in, level + 1)
+    return slots, counts, written
+
+
+@pytest.mark.parametrize("fan_in", [4, 8, 16])
+def test_combine_tree_merges_every_split_once_in_any_arrival_order(fan_in):
+    """The in-kernel combine's tree (`mla_combine.merge_splits`), modelled on the host: whatever
+    order the CTAs arrive in, every child is read at the level and index it was written for
+    (no partial overwritten before its reader), the root is merged once from every split
+    once, and every counter is back at zero."""
+    rng = random.Random(fan_in)
+    for splits in [*range(2, 40), 63, 64, 65, 128, 132, 255, 256, 257, 528, 1024]:
+        for _ in range(3):
+            _, counts, written = _climb_tree(splits, fan_in, rng.choice([1, 2, 3]), rng)
+            assert len(written) == 1 and sorted(written[0]) == list(range(splits)), (splits, fan_in)
+            assert not any(counts.values()), (splits, fan_in)
+    with pytest.raises(ValueError, match="fan_in"):
+        DecodePlan(6, 1, 64, fan_in=2)
+
+
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_100a", "sm_103a"])
 def test_combine_compiles_for_arch(arch, tmp_path):
     ptx = mla_combine.compile_mla_combine(32, arch, ptx_dir=str(tmp_path)).artifacts.PTX
@@ -623,6 +676,36 @@ def test_every_sweep_plan_matches_reference(heads, q, lengths, evidence):
     for plan in mla_decode.sweep_plans(heads, q, 64, facts(torch.device("cuda")).arch):
         b = Batch(lengths, [q] * len(lengths), heads, 64, "normal", 31 + heads + q, "cuda")
         failures += _run_case(f"sweep h={heads} q={q} {plan}", b, evidence, plan=plan)
+    assert not failures, "; ".join(failures)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fan_in", [4, 16])
+def test_in_kernel_combine_matches_reference_and_leaves_its_counters_zero(fan_in, evidence):
+    """The split kernel merging its own splits (`plan.fan_in`): one split, a one-level tree, trees
+    three levels deep (4096 units aimed at, one chunk a split: 65 536 tokens are 1024 splits), idle
+    CTAs beside them; then repeats, bit-identical, and the counters back at zero, so no launch
+    inherits a count from the one before."""
+    failures = []
+    for heads, q, lengths, split in [(6, 1, [1, 7, 65, 4097, 65536], {}), (12, 2, [2, 70, 40000], {}),
+                                     (6, 1, [65536, 300, 9], {"target": 4096, "min_chunks": 1}),
+                                     (12, 1, [4097, 65], {"target": 3, "min_chunks": 1})]:
+        plan = dataclasses.replace(mla_decode.choose_plan(heads, q, 64), fan_in=fan_in)
+        b = Batch(lengths, [q] * len(lengths), heads, 64, "normal", 41 + fan_in + heads, "cuda")
+        failures += _run_case(f"in-kernel combine h={heads} q={q} fan_in={fan_in} {split}", b, evidence, plan=plan,
+                              **split)
+        first = mla_decode.launch(b.q_lat, b.cache, b.block_table, b.seq_lens, b.query_start, q, plan=plan, **split)
+        for _ in range(2):
+            again = mla_decode.launch(b.q_lat, b.cache, b.block_table, b.seq_lens, b.query_start, q, plan=plan,
+                                      **split)
+            if not torch.equal(again, first):
+                failures.append(f"h={heads} q={q} {split}: a repeat differs")
+    torch.cuda.synchronize()
+    for key, tensors in facts(torch.device("cuda"))._kept.items():
+        if key[0] == "mla_decode":
+            counts = tensors[2][key[1] * mla_combine.INFO_FIELDS:]
+            if bool(counts.any()):
+                failures.append(f"workspace {key}: {int((counts != 0).sum())} tree counters left non-zero")
     assert not failures, "; ".join(failures)
 
 
