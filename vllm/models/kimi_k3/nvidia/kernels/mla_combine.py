@@ -88,6 +88,8 @@ def _merge(state: cute.Tensor, o: cute.Tensor, m_s: Float32, l_s: Float32):
 # A fused combine's tree (`merge_splits`): a level's counters per node; fan_in ** COUNT_LEVELS must
 # cover every grid (fan-in 4 and up: 65 536 splits)
 COUNT_LEVELS = 8
+# pieces a thread of `merge_splits` loads at once: the merge is latency-bound, a round trip a batch
+MERGE_ITEMS = 2
 
 
 def tree_node(idx, n, fan_in, lo=cutlass.min):
@@ -126,7 +128,7 @@ def merge_splits(ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, counts_ptr: cu
     child_l = cute.make_tensor(scratch.iterator + fan_in * tile_rows,
                                cute.make_layout((fan_in, tile_rows), stride=(tile_rows, 1)))
     row_ml = cute.make_tensor(scratch.iterator + 2 * fan_in * tile_rows, cute.make_layout((tile_rows, 2), stride=(2, 1)))
-    o_batch = cute.make_rmem_tensor(cute.make_layout((4, fan_in)), Float32)
+    o_batch = cute.make_rmem_tensor(cute.make_layout((4, fan_in, MERGE_ITEMS)), Float32)
     acc = cute.make_rmem_tensor(cute.make_layout(4), Float32)
     res = cute.make_rmem_tensor(cute.make_layout(4), BFloat16)
     idx = split
@@ -172,26 +174,34 @@ def merge_splits(ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, counts_ptr: cu
                     row_ml[row, 1] = total
                 cute.arch.sync_threads()
                 dest = node * tile_rows
-                for k in cutlass.range(tid, valid_rows * (LATENT // 4), threads):
-                    row = k // (LATENT // 4)
-                    col4 = k - row * (LATENT // 4)
-                    # every child's 16 bytes in flight at once; children past the last re-read it
-                    for ch in cutlass.range_constexpr(fan_in):
-                        src = (slot0 + (child0 + cutlass.min(ch, members - 1)) * span * stride) * tile_rows + row
-                        cute.autovec_copy(ws_o[None, src, col4], o_batch[None, ch])
-                    acc.fill(0.0)
-                    for ch in cutlass.range_constexpr(fan_in):
-                        w = cutlass.select_(ch < members, child_w[ch, row], Float32(0.0))
-                        for j in cutlass.range_constexpr(4):
-                            acc[j] = acc[j] + w * o_batch[j, ch]
-                    if final == 1:
-                        total = row_ml[row, 1]
-                        inv = cutlass.select_(total > 0.0, 1.0 / total, Float32(0.0))
-                        for j in cutlass.range_constexpr(4):
-                            res[j] = (acc[j] * inv).to(BFloat16)
-                        cute.autovec_copy(res, out[None, out_base + row, col4])
-                    else:
-                        cute.autovec_copy(acc, ws_o[None, dest + row, col4])
+                items = valid_rows * (LATENT // 4)  # (row, 4 columns) pieces
+                for k0 in cutlass.range(tid, items, MERGE_ITEMS * threads):
+                    # MERGE_ITEMS pieces × every child's 16 bytes in flight at once; children past the
+                    # last and pieces past the end re-read the last
+                    for u in cutlass.range_constexpr(MERGE_ITEMS):
+                        k = cutlass.min(k0 + u * threads, items - 1)
+                        row = k // (LATENT // 4)
+                        for ch in cutlass.range_constexpr(fan_in):
+                            src = (slot0 + (child0 + cutlass.min(ch, members - 1)) * span * stride) * tile_rows + row
+                            cute.autovec_copy(ws_o[None, src, k - row * (LATENT // 4)], o_batch[None, ch, u])
+                    for u in cutlass.range_constexpr(MERGE_ITEMS):
+                        k = k0 + u * threads
+                        if k < items:
+                            row = k // (LATENT // 4)
+                            col4 = k - row * (LATENT // 4)
+                            acc.fill(0.0)
+                            for ch in cutlass.range_constexpr(fan_in):
+                                w = cutlass.select_(ch < members, child_w[ch, row], Float32(0.0))
+                                for j in cutlass.range_constexpr(4):
+                                    acc[j] = acc[j] + w * o_batch[j, ch, u]
+                            if final == 1:
+                                total = row_ml[row, 1]
+                                inv = cutlass.select_(total > 0.0, 1.0 / total, Float32(0.0))
+                                for j in cutlass.range_constexpr(4):
+                                    res[j] = (acc[j] * inv).to(BFloat16)
+                                cute.autovec_copy(res, out[None, out_base + row, col4])
+                            else:
+                                cute.autovec_copy(acc, ws_o[None, dest + row, col4])
                 if final == 0:
                     for row in cutlass.range(tid, valid_rows, threads):
                         ws_ml[dest + row, 0] = row_ml[row, 0]
