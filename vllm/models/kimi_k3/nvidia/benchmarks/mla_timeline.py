@@ -67,7 +67,6 @@ def run_case(heads: int, q: int, requests: int, context: int, copy_bw: float, ge
     sm_count = facts(case.cache.device).sm_count
     arch = facts(case.cache.device).arch
     plan = mla_decode.choose_plan(heads, q, BLOCK_SIZE, arch)
-    timed = replace(plan, timeline=True)
     out = torch.full((requests * q, heads, LATENT), float("nan"), device="cuda", dtype=torch.bfloat16)
     plain_us = time_graph(case.launches(out, plan), replays=10)
     judge = out.clone()
@@ -84,20 +83,24 @@ def run_case(heads: int, q: int, requests: int, context: int, copy_bw: float, ge
         var_err[name] = float((out.float() - judge.float()).norm() / judge.float().norm())
     units = units_of(case, plan, sm_count)
     slots = mla_decode.grid_size(plan, requests, mla_decode.default_target(sm_count, plan))
+    res = {"name": case.name, "floor_us": case.cache_bytes / (copy_bw * 1e12) * 1e6, "time_us": plain_us,
+           "variants_us": var_us, "variants_rel_err_vs_default": var_err, "work_units": len(units),
+           "chunks_per_unit": _median([u.chunk_end - u.chunk_begin for u in units])}
+    res.update(_timeline(case, replace(plan, timeline=True), out, units, slots))
+    if plan.mma == "sync":  # where the in-kernel combine's tree spends its time (its last stamp follows the root)
+        res["fan_in_8"] = _timeline(case, replace(plan, timeline=True, fan_in=8), out, units, slots)
+    return res
+
+
+def _timeline(case: Case, timed: mla_decode.DecodePlan, out: torch.Tensor, units: list, slots: int) -> dict:
     launches, stamps = [], []
     for i in range(max(4, case.sets)):
         st = torch.zeros(slots * mla_decode.STAMPS, dtype=torch.int64, device="cuda")
         stamps.append(st)
         table = case.tables[i % case.sets]
         launches.append(lambda table=table, st=st: mla_decode.launch(
-            case.q_lat, case.cache, table, case.seq_lens, case.query_start, q, out, plan=timed, stamps=st))
-    timeline_us = time_graph(launches, replays=10)
-    res = {"name": case.name, "floor_us": case.cache_bytes / (copy_bw * 1e12) * 1e6, "time_us": plain_us,
-           "variants_us": var_us, "variants_rel_err_vs_default": var_err,
-           "timeline_plan_us": timeline_us, "work_units": len(units),
-           "chunks_per_unit": _median([u.chunk_end - u.chunk_begin for u in units])}
-    res.update(analyse(stamps, units))
-    return res
+            case.q_lat, case.cache, table, case.seq_lens, case.query_start, case.q, out, plan=timed, stamps=st))
+    return {"timeline_plan_us": time_graph(launches, replays=10), **analyse(stamps, units)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -125,6 +128,8 @@ def main(argv: list[str] | None = None) -> int:
     print("case | " + " | ".join(cols) + " | chunks/unit")
     for r in results:
         print(r["name"] + " | " + " | ".join(f"{r[c]:.2f}" for c in cols) + f" | {r['chunks_per_unit']}")
+        if "fan_in_8" in r:
+            print("  fan_in 8 | - | " + " | ".join(f"{r['fan_in_8'][c]:.2f}" for c in cols[1:]))
     print("case | default µs | variant µs (rel err vs default) ...")
     for r in results:
         print(r["name"] + f" | {r['time_us']:.2f} | " + " | ".join(
