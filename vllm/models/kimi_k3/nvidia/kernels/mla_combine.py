@@ -28,6 +28,9 @@ meets in shared memory, and its first warp merges the members' states in order a
 Few splits (many requests, or a verify's many rows) give one-warp teams, so a unit's pieces
 cost one round trip each GROUPS of them; one long request's 128 splits give one team of all
 GROUPS warps, as many loads in flight for its single piece.
+
+`merge_splits` is the same merge run inside the split kernel (`DecodePlan.fan_in`): a tree of
+last arrivals in place of this kernel's launch.
 """
 
 from __future__ import annotations

@@ -76,6 +76,11 @@ each cache row read):
   FP32 partial (O, max, sum) and a record of what it computed to a workspace, and
   `kernels/mla_combine.py` merges the splits (log-sum-exp weights, fixed order). `launch`
   runs both. Launches of one shape share the workspace, so they must be stream-ordered.
+  A plan with `fan_in` (mma.sync only) launches no combine: the splits of a tile form a tree
+  of that fan-in and the CTA that completes a node, counted by an atomic ticket, merges its
+  children (`mla_combine.merge_splits`), so only the last node of each level waits on the
+  critical path and no second launch follows (the combine and the launch between two MLA
+  calls took 7.5 of one request's 26.2 µs at 32K, H100 timeline, 2026-12-07).
 
 The host `launch` checks the envelope before any CUDA work, compiles once per (heads,
 max_q, block_size, m_tiles, stages, warps, chunk, arch), then only launches on an explicit stream (CUDA-graph
