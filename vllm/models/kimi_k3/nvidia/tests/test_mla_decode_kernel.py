@@ -309,17 +309,29 @@ def _model(b: Batch, plan: DecodePlan, target: int, min_chunks: int) -> torch.Te
         partial.setdefault((u.request, u.tile), []).append((run_max, run_sum, acc, first, rows))
     out = torch.full((starts[-1] * b.heads, R_KV), float("nan"))
     for parts in partial.values():
-        m = torch.stack([p[0] for p in parts])
-        top = m.max(dim=0).values
-        w = torch.exp2(m - torch.where(top == -math.inf, torch.zeros(()), top))
-        total = (w * torch.stack([p[1] for p in parts])).sum(0)
-        o = (w[..., None] * torch.stack([p[2] for p in parts])).sum(0)
         first, rows = parts[0][3], parts[0][4]
+        # the combine kernel merges all splits at once; an in-kernel combine (`fan_in`) a tree's
+        # nodes of up to fan_in children, each relative to its own max
+        size = plan.fan_in or len(parts)
+        while True:
+            parts = [_merge_partials(parts[i:i + size]) for i in range(0, len(parts), size)]
+            if len(parts) == 1:
+                break
+        _, total, o = parts[0]
         out[first:first + rows] = torch.where(total[:, None] > 0, o / total[:, None], torch.zeros(()))
     return out.view(starts[-1], b.heads, R_KV).to(BF16)
 
 
-@pytest.mark.parametrize("variant", ["default", "4warps_chunk32"])
+def _merge_partials(parts: list) -> tuple:
+    """(max, sum, O) of the splits' partials merged with log-sum-exp weights."""
+    m = torch.stack([p[0] for p in parts])
+    top = m.max(dim=0).values
+    w = torch.exp2(m - torch.where(top == -math.inf, torch.zeros(()), top))
+    return (top, (w * torch.stack([p[1] for p in parts])).sum(0),
+            (w[..., None] * torch.stack([p[2] for p in parts])).sum(0))
+
+
+@pytest.mark.parametrize("variant", ["default", "4warps_chunk32", "fan_in_4"])
 @pytest.mark.parametrize("heads, q_lens, target, min_chunks", [
     (6, [1, 1, 1], 1, 1),  # one split per request: the direct write
     (6, [1, 1, 1], 64, 1),  # many splits, most of them one chunk
@@ -330,8 +342,10 @@ def test_split_algorithm_matches_reference(heads, q_lens, target, min_chunks, va
     lengths = [max(q, n) for q, n in zip(q_lens, [297, 33, 530][:len(q_lens)])]
     b = Batch(lengths, q_lens, heads, 16, "normal", 3 + heads, "cpu")
     plan = _plan(heads, max(q_lens), 16)
-    if variant != "default":
+    if variant == "4warps_chunk32":
         plan = dataclasses.replace(plan, warps=4, chunk=32, stages=4, m_tiles=min(plan.m_tiles, 2))
+    elif variant == "fan_in_4" and plan.mma == "sync":
+        plan = dataclasses.replace(plan, fan_in=4)
     out = _model(b, plan, target, min_chunks)
     assert not torch.isnan(out).any()
     for r in range(len(lengths)):
