@@ -88,11 +88,13 @@ def _merge(state: cute.Tensor, o: cute.Tensor, m_s: Float32, l_s: Float32):
         state[2 + j] = state[2 + j] * keep + o[j] * take
 
 
-# A fused combine's tree (`merge_splits`): a level's counters per node; fan_in ** COUNT_LEVELS must
-# cover every grid (fan-in 4 and up: 65 536 splits)
+# The in-kernel combine (`merge_splits`): a tree level's counters per node; fan_in ** COUNT_LEVELS
+# must cover every grid (fan-in 4 and up: 65 536 splits)
 COUNT_LEVELS = 8
-# pieces a thread of `merge_splits` loads at once: the merge is latency-bound, a round trip a batch
-MERGE_ITEMS = 2
+# children × pieces a thread of `merge_splits` loads at once (at least one piece's children): the merge
+# is latency-bound, one round trip a batch. At 16, two or four pieces a batch (fan-in 8 or 4) left
+# ptxas at 168 registers with a stack frame, one piece (fan-in 16) at 185 without (sm_90a, 6 heads)
+MERGE_LOADS = 8
 
 
 def tree_node(idx, n, fan_in, lo=cutlass.min):
@@ -103,17 +105,11 @@ def tree_node(idx, n, fan_in, lo=cutlass.min):
     return node, child0, lo(fan_in, n - child0)
 
 
-def merge_smem_floats(fan_in: int, tile_rows: int) -> int:
-    """The FP32 `scratch` of `merge_splits`: each child's weight and sum, each row's max and sum."""
-    return 2 * (fan_in + 1) * tile_rows
-
-
 @cute.jit
 def merge_splits(ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, counts_ptr: cute.Pointer, out_ptr: cute.Pointer,
                  slots: Int32, out_rows: Int32, split: Int32, splits: Int32, slot0: Int32, stride: Int32,
-                 valid_rows: Int32, out_base: Int32, tid: Int32, scratch: cute.Tensor, ticket_box: cute.Tensor,
-                 threads: Constexpr,
-                 tile_rows: Constexpr, fan_in: Constexpr):
+                 valid_rows: Int32, out_base: Int32, tid: Int32, row_ml: cute.Tensor, ticket_box: cute.Tensor,
+                 threads: Constexpr, tile_rows: Constexpr, fan_in: Constexpr):
     """Called by every thread of a split kernel's CTA right after it wrote split `split` of
     `splits` of its tile to the workspace (slot slot0 + s · stride holds split s): the combine
     without a launch of its own. The splits form a tree of fan-in `fan_in`; the CTA that
@@ -121,17 +117,18 @@ def merge_splits(ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, counts_ptr: cu
     the children's partials into the node's, kept in its first child's slot, and climbs; the
     root's merger writes bf16 rows. Only one CTA's merge of each level is on the critical path,
     each over fan_in partials of the tile's real rows, where one CTA merging all the splits
-    would read them all alone. Counters are reset by the CTA that completes them, so they are
-    zero between launches (the workspace's counts start at zero)."""
-    ws_o = cute.make_tensor(ws_o_ptr, cute.make_layout((4, slots * tile_rows, LATENT // 4), stride=(1, LATENT, 4)))
+    would read them all alone. A thread loads, with each piece's partials, the children's
+    (max, sum) of its row and weighs them itself: one round trip a batch, no barrier between.
+    Counters are reset by the CTA that completes them, so they are zero between launches (the
+    workspace's counts start at zero)."""
+    pieces_at_once = max(1, MERGE_LOADS // fan_in)
+    row_pieces = LATENT // 4
+    ws_o = cute.make_tensor(ws_o_ptr, cute.make_layout((4, slots * tile_rows, row_pieces), stride=(1, LATENT, 4)))
     ws_ml = cute.make_tensor(ws_ml_ptr, cute.make_layout((slots * tile_rows, 2), stride=(2, 1)))
-    out = cute.make_tensor(out_ptr, cute.make_layout((4, out_rows, LATENT // 4), stride=(1, LATENT, 4)))
+    out = cute.make_tensor(out_ptr, cute.make_layout((4, out_rows, row_pieces), stride=(1, LATENT, 4)))
     counts = cute.make_tensor(counts_ptr, cute.make_layout(slots * COUNT_LEVELS))
-    child_w = cute.make_tensor(scratch.iterator, cute.make_layout((fan_in, tile_rows), stride=(tile_rows, 1)))
-    child_l = cute.make_tensor(scratch.iterator + fan_in * tile_rows,
-                               cute.make_layout((fan_in, tile_rows), stride=(tile_rows, 1)))
-    row_ml = cute.make_tensor(scratch.iterator + 2 * fan_in * tile_rows, cute.make_layout((tile_rows, 2), stride=(2, 1)))
-    o_batch = cute.make_rmem_tensor(cute.make_layout((4, fan_in, MERGE_ITEMS)), Float32)
+    o_batch = cute.make_rmem_tensor(cute.make_layout((4, fan_in, pieces_at_once)), Float32)
+    ml_batch = cute.make_rmem_tensor(cute.make_layout((2, fan_in, pieces_at_once)), Float32)
     acc = cute.make_rmem_tensor(cute.make_layout(4), Float32)
     res = cute.make_rmem_tensor(cute.make_layout(4), BFloat16)
     idx = split
@@ -155,57 +152,47 @@ def merge_splits(ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, counts_ptr: cu
             cute.arch.sync_threads()
             if ticket_box[0] == 1:
                 final = cutlass.select_(n <= fan_in, Int32(1), Int32(0))
-                for k in cutlass.range(tid, members * valid_rows, threads):
-                    ch = k // valid_rows
-                    row = k - ch * valid_rows
-                    src = (slot0 + (child0 + ch) * span * stride) * tile_rows + row
-                    child_w[ch, row] = ws_ml[src, 0]
-                    child_l[ch, row] = ws_ml[src, 1]
-                cute.arch.sync_threads()
-                # per row: the merged max M, each child's weight 2^(m − M), the merged sum
-                for row in cutlass.range(tid, valid_rows, threads):
-                    best = -Float32.inf
-                    for ch in cutlass.range(members):
-                        best = cute.arch.fmax(best, child_w[ch, row])
-                    ref = cutlass.select_(best == -Float32.inf, Float32(0.0), best)
-                    total = Float32(0.0)
-                    for ch in cutlass.range(members):
-                        w = cute.math.exp2(child_w[ch, row] - ref, fastmath=True)
-                        child_w[ch, row] = w
-                        total += w * child_l[ch, row]
-                    row_ml[row, 0] = best
-                    row_ml[row, 1] = total
-                cute.arch.sync_threads()
                 dest = node * tile_rows
-                items = valid_rows * (LATENT // 4)  # (row, 4 columns) pieces
-                for k0 in cutlass.range(tid, items, MERGE_ITEMS * threads):
-                    # MERGE_ITEMS pieces × every child's 16 bytes in flight at once; children past the
-                    # last and pieces past the end re-read the last
-                    for u in cutlass.range_constexpr(MERGE_ITEMS):
+                items = valid_rows * row_pieces
+                for k0 in cutlass.range(tid, items, pieces_at_once * threads):
+                    # children past the last re-read it and weigh nothing; pieces past the end re-read the last
+                    for u in cutlass.range_constexpr(pieces_at_once):
                         k = cutlass.min(k0 + u * threads, items - 1)
-                        row = k // (LATENT // 4)
+                        row = k // row_pieces
                         for ch in cutlass.range_constexpr(fan_in):
                             src = (slot0 + (child0 + cutlass.min(ch, members - 1)) * span * stride) * tile_rows + row
-                            cute.autovec_copy(ws_o[None, src, k - row * (LATENT // 4)], o_batch[None, ch, u])
-                    for u in cutlass.range_constexpr(MERGE_ITEMS):
+                            cute.autovec_copy(ws_o[None, src, k - row * row_pieces], o_batch[None, ch, u])
+                            ml_batch[0, ch, u] = cutlass.select_(ch < members, ws_ml[src, 0], -Float32.inf)
+                            ml_batch[1, ch, u] = ws_ml[src, 1]
+                    for u in cutlass.range_constexpr(pieces_at_once):
                         k = k0 + u * threads
                         if k < items:
-                            row = k // (LATENT // 4)
-                            col4 = k - row * (LATENT // 4)
+                            row = k // row_pieces
+                            col4 = k - row * row_pieces
+                            best = ml_batch[0, 0, u]
+                            for ch in cutlass.range_constexpr(1, fan_in):
+                                best = cute.arch.fmax(best, ml_batch[0, ch, u])
+                            ref = cutlass.select_(best == -Float32.inf, Float32(0.0), best)
+                            total = Float32(0.0)
                             acc.fill(0.0)
                             for ch in cutlass.range_constexpr(fan_in):
-                                w = cutlass.select_(ch < members, child_w[ch, row], Float32(0.0))
+                                w = cute.math.exp2(ml_batch[0, ch, u] - ref, fastmath=True)
+                                total += w * ml_batch[1, ch, u]
                                 for j in cutlass.range_constexpr(4):
                                     acc[j] = acc[j] + w * o_batch[j, ch, u]
                             if final == 1:
-                                total = row_ml[row, 1]
                                 inv = cutlass.select_(total > 0.0, 1.0 / total, Float32(0.0))
                                 for j in cutlass.range_constexpr(4):
                                     res[j] = (acc[j] * inv).to(BFloat16)
                                 cute.autovec_copy(res, out[None, out_base + row, col4])
                             else:
                                 cute.autovec_copy(acc, ws_o[None, dest + row, col4])
+                                if col4 == 0:
+                                    row_ml[row, 0] = best
+                                    row_ml[row, 1] = total
                 if final == 0:
+                    # the node's (max, sum) replace its first child's only once every thread has read those
+                    cute.arch.sync_threads()
                     for row in cutlass.range(tid, valid_rows, threads):
                         ws_ml[dest + row, 0] = row_ml[row, 0]
                         ws_ml[dest + row, 1] = row_ml[row, 1]

@@ -221,7 +221,7 @@ class DecodePlan:
         q_tile = 2 * self.tile_rows * PITCH
         weights = 2 * self.tile_rows * self.p_pitch
         stats = 2 * 4 * self.warps * self.tile_rows
-        merge = 4 * mla_combine.merge_smem_floats(self.fan_in, self.tile_rows) + 32 if self.fan_in else 0
+        merge = 4 * 2 * self.tile_rows + 32 if self.fan_in else 0  # merge_splits' row (max, sum), its ticket
         return ring + q_tile + weights + stats + merge + 4 * 128  # alignment slack
 
 
@@ -588,8 +588,7 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
     red_sum = smem.allocate_tensor(Float32, cute.make_layout((warps, tile_rows), stride=(tile_rows, 1)),
                                    byte_alignment=16)
     if cutlass.const_expr(plan.fan_in):
-        merge_scratch = smem.allocate_tensor(
-            Float32, cute.make_layout(mla_combine.merge_smem_floats(plan.fan_in, tile_rows)), byte_alignment=16)
+        merge_rows = smem.allocate_tensor(Float32, cute.make_layout((tile_rows, 2), stride=(2, 1)), byte_alignment=16)
         ticket_box = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=16)
     g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
                               BFloat16, num_bits_per_copy=128)
@@ -792,7 +791,7 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
                 # the tree's counters follow the records (`_split_scratch`)
                 mla_combine.merge_splits(ws_o_ptr, ws_ml_ptr, info_ptr + slots * INFO, out_ptr, slots, rows * heads,
                                          record[1], splits, record[3], record[4], valid_rows, out_base, tid,
-                                         merge_scratch, ticket_box, threads, tile_rows, plan.fan_in)
+                                         merge_rows, ticket_box, threads, tile_rows, plan.fan_in)
         _stamp(stamps_ptr, unit, tid, 5, plan)
 
 
