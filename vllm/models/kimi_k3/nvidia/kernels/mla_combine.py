@@ -91,10 +91,7 @@ def _merge(state: cute.Tensor, o: cute.Tensor, m_s: Float32, l_s: Float32):
 # The in-kernel combine (`merge_splits`): a tree level's counters per node; fan_in ** COUNT_LEVELS
 # must cover every grid (fan-in 4 and up: 65 536 splits)
 COUNT_LEVELS = 8
-# children × pieces a thread of `merge_splits` loads at once (at least one piece's children): the merge
-# is latency-bound, one round trip a batch. At 16, two or four pieces a batch (fan-in 8 or 4) left
-# ptxas at 168 registers with a stack frame, one piece (fan-in 16) at 185 without (sm_90a, 6 heads)
-MERGE_LOADS = 8
+ROW_BYTES = 4 * LATENT  # one FP32 partial row
 
 
 def tree_node(idx, n, fan_in, lo=cutlass.min):
@@ -105,11 +102,17 @@ def tree_node(idx, n, fan_in, lo=cutlass.min):
     return node, child0, lo(fan_in, n - child0)
 
 
+def merge_rows(stage_bytes: int, fan_in: int) -> int:
+    """Rows of a tile `merge_splits` merges at once: every child's partial of them fits the stage."""
+    return stage_bytes // ROW_BYTES // fan_in
+
+
 @cute.jit
 def merge_splits(ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, counts_ptr: cute.Pointer, out_ptr: cute.Pointer,
                  slots: Int32, out_rows: Int32, split: Int32, splits: Int32, slot0: Int32, stride: Int32,
-                 valid_rows: Int32, out_base: Int32, tid: Int32, row_ml: cute.Tensor, ticket_box: cute.Tensor,
-                 threads: Constexpr, tile_rows: Constexpr, fan_in: Constexpr):
+                 valid_rows: Int32, out_base: Int32, tid: Int32, stage_ptr: cute.Pointer, stage_ml: cute.Tensor,
+                 ticket_box: cute.Tensor, threads: Constexpr, tile_rows: Constexpr, fan_in: Constexpr,
+                 batch_rows: Constexpr):
     """Called by every thread of a split kernel's CTA right after it wrote split `split` of
     `splits` of its tile to the workspace (slot slot0 + s · stride holds split s): the combine
     without a launch of its own. The splits form a tree of fan-in `fan_in`; the CTA that
@@ -117,18 +120,20 @@ def merge_splits(ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, counts_ptr: cu
     the children's partials into the node's, kept in its first child's slot, and climbs; the
     root's merger writes bf16 rows. Only one CTA's merge of each level is on the critical path,
     each over fan_in partials of the tile's real rows, where one CTA merging all the splits
-    would read them all alone. A thread loads, with each piece's partials, the children's
-    (max, sum) of its row and weighs them itself: one round trip a batch, no barrier between.
-    Counters are reset by the CTA that completes them, so they are zero between launches (the
-    workspace's counts start at zero)."""
-    pieces_at_once = max(1, MERGE_LOADS // fan_in)
+    would read them all alone. The merge is latency-bound: `batch_rows` rows of every child
+    stream at once into shared memory (`stage_ptr`, the kernel's idle cache ring; 16-byte
+    cp.async, L2 only) with their (max, sum) (`stage_ml` [fan_in, batch_rows, 2]), so a batch
+    costs one round trip whatever its size. Counters are reset by the CTA that completes them,
+    so they are zero between launches (the workspace's counts start at zero)."""
     row_pieces = LATENT // 4
     ws_o = cute.make_tensor(ws_o_ptr, cute.make_layout((4, slots * tile_rows, row_pieces), stride=(1, LATENT, 4)))
     ws_ml = cute.make_tensor(ws_ml_ptr, cute.make_layout((slots * tile_rows, 2), stride=(2, 1)))
     out = cute.make_tensor(out_ptr, cute.make_layout((4, out_rows, row_pieces), stride=(1, LATENT, 4)))
     counts = cute.make_tensor(counts_ptr, cute.make_layout(slots * COUNT_LEVELS))
-    o_batch = cute.make_rmem_tensor(cute.make_layout((4, fan_in, pieces_at_once)), Float32)
-    ml_batch = cute.make_rmem_tensor(cute.make_layout((2, fan_in, pieces_at_once)), Float32)
+    stage = cute.make_tensor(stage_ptr, cute.make_layout((4, fan_in * batch_rows, row_pieces), stride=(1, LATENT, 4)))
+    g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
+                              Float32, num_bits_per_copy=128)
+    o = cute.make_rmem_tensor(cute.make_layout(4), Float32)
     acc = cute.make_rmem_tensor(cute.make_layout(4), Float32)
     res = cute.make_rmem_tensor(cute.make_layout(4), BFloat16)
     idx = split
@@ -153,49 +158,52 @@ def merge_splits(ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, counts_ptr: cu
             if ticket_box[0] == 1:
                 final = cutlass.select_(n <= fan_in, Int32(1), Int32(0))
                 dest = node * tile_rows
-                items = valid_rows * row_pieces
-                for k0 in cutlass.range(tid, items, pieces_at_once * threads):
-                    # children past the last re-read it and weigh nothing; pieces past the end re-read the last
-                    for u in cutlass.range_constexpr(pieces_at_once):
-                        k = cutlass.min(k0 + u * threads, items - 1)
-                        row = k // row_pieces
-                        for ch in cutlass.range_constexpr(fan_in):
-                            src = (slot0 + (child0 + cutlass.min(ch, members - 1)) * span * stride) * tile_rows + row
-                            cute.autovec_copy(ws_o[None, src, k - row * row_pieces], o_batch[None, ch, u])
-                            ml_batch[0, ch, u] = cutlass.select_(ch < members, ws_ml[src, 0], -Float32.inf)
-                            ml_batch[1, ch, u] = ws_ml[src, 1]
-                    for u in cutlass.range_constexpr(pieces_at_once):
-                        k = k0 + u * threads
-                        if k < items:
-                            row = k // row_pieces
-                            col4 = k - row * row_pieces
-                            best = ml_batch[0, 0, u]
-                            for ch in cutlass.range_constexpr(1, fan_in):
-                                best = cute.arch.fmax(best, ml_batch[0, ch, u])
-                            ref = cutlass.select_(best == -Float32.inf, Float32(0.0), best)
-                            total = Float32(0.0)
-                            acc.fill(0.0)
-                            for ch in cutlass.range_constexpr(fan_in):
-                                w = cute.math.exp2(ml_batch[0, ch, u] - ref, fastmath=True)
-                                total += w * ml_batch[1, ch, u]
-                                for j in cutlass.range_constexpr(4):
-                                    acc[j] = acc[j] + w * o_batch[j, ch, u]
-                            if final == 1:
-                                inv = cutlass.select_(total > 0.0, 1.0 / total, Float32(0.0))
-                                for j in cutlass.range_constexpr(4):
-                                    res[j] = (acc[j] * inv).to(BFloat16)
-                                cute.autovec_copy(res, out[None, out_base + row, col4])
-                            else:
-                                cute.autovec_copy(acc, ws_o[None, dest + row, col4])
-                                if col4 == 0:
-                                    row_ml[row, 0] = best
-                                    row_ml[row, 1] = total
-                if final == 0:
-                    # the node's (max, sum) replace its first child's only once every thread has read those
+                for r0 in cutlass.range(0, valid_rows, batch_rows):
+                    rows = cutlass.min(batch_rows, valid_rows - r0)
+                    per_child = rows * row_pieces
+                    for k in cutlass.range(tid, members * per_child, threads):
+                        ch = k // per_child
+                        row = (k - ch * per_child) // row_pieces
+                        src = (slot0 + (child0 + ch) * span * stride) * tile_rows + r0 + row
+                        cute.copy(g2s, ws_o[None, src, k - ch * per_child - row * row_pieces],
+                                  stage[None, ch * batch_rows + row, k - ch * per_child - row * row_pieces])
+                    cute.arch.cp_async_commit_group()
+                    for k in cutlass.range(tid, members * rows, threads):
+                        ch = k // rows
+                        src = (slot0 + (child0 + ch) * span * stride) * tile_rows + r0 + k - ch * rows
+                        stage_ml[ch, k - ch * rows, 0] = ws_ml[src, 0]
+                        stage_ml[ch, k - ch * rows, 1] = ws_ml[src, 1]
+                    cute.arch.cp_async_wait_group(0)
                     cute.arch.sync_threads()
-                    for row in cutlass.range(tid, valid_rows, threads):
-                        ws_ml[dest + row, 0] = row_ml[row, 0]
-                        ws_ml[dest + row, 1] = row_ml[row, 1]
+                    # every read of these rows is done: the node's partial may take its first child's place
+                    for k in cutlass.range(tid, per_child, threads):
+                        row = k // row_pieces
+                        col4 = k - row * row_pieces
+                        best = -Float32.inf
+                        for ch in cutlass.range(members):
+                            best = cute.arch.fmax(best, stage_ml[ch, row, 0])
+                        ref = cutlass.select_(best == -Float32.inf, Float32(0.0), best)
+                        total = Float32(0.0)
+                        acc.fill(0.0)
+                        for ch in cutlass.range(members):
+                            w = cute.math.exp2(stage_ml[ch, row, 0] - ref, fastmath=True)
+                            total += w * stage_ml[ch, row, 1]
+                            cute.autovec_copy(stage[None, ch * batch_rows + row, col4], o)
+                            for j in cutlass.range_constexpr(4):
+                                acc[j] = acc[j] + w * o[j]
+                        if final == 1:
+                            # rcp.approx (1 ulp, under bf16's rounding; a visible row's sum is >= 1): an
+                            # exact division's slow path gave the kernel a stack frame (ptxas, sm_90a)
+                            inv = cutlass.select_(total > 0.0, cute.arch.rcp_approx(total), Float32(0.0))
+                            for j in cutlass.range_constexpr(4):
+                                res[j] = (acc[j] * inv).to(BFloat16)
+                            cute.autovec_copy(res, out[None, out_base + r0 + row, col4])
+                        else:
+                            cute.autovec_copy(acc, ws_o[None, dest + r0 + row, col4])
+                            if col4 == 0:
+                                ws_ml[dest + r0 + row, 0] = best
+                                ws_ml[dest + r0 + row, 1] = total
+                    cute.arch.sync_threads()  # the stage is refilled by the next batch
                 idx = group
                 n = (n + fan_in - 1) // fan_in
                 span = span * fan_in

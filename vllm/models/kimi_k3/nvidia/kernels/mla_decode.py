@@ -165,8 +165,9 @@ class DecodePlan:
                              "128 columns), stages 2..8")
         if self.copies_under_qk and self.mma != "wgmma":
             raise ValueError(f"{self}: copies_under_qk needs the wgmma kernel (its scores are asynchronous)")
-        if self.fan_in and (self.mma != "sync" or not 4 <= self.fan_in <= 16):
-            raise ValueError(f"{self}: fan_in (the in-kernel combine's tree) is 0, or 4..16 with mma 'sync'")
+        if self.fan_in and (self.mma != "sync" or not 4 <= self.fan_in <= 16 or self.merge_rows < 1):
+            raise ValueError(f"{self}: fan_in (the in-kernel combine's tree) is 0, or 4..16 with mma 'sync' "
+                             "and a ring that holds a row of every child (2 KB each)")
         if self.waves < 1 or self.min_chunks < 1:
             raise ValueError(f"{self}: need waves >= 1, min_chunks >= 1")
 
@@ -209,6 +210,11 @@ class DecodePlan:
                 self.defer_table, self.copies_under_qk, self.timeline, self.fan_in)
 
     @property
+    def merge_rows(self) -> int:
+        """Rows `mla_combine.merge_splits` merges at once, every child's partial of them staged in the ring."""
+        return mla_combine.merge_rows(2 * self.stages * self.chunk * PITCH, self.fan_in) if self.fan_in else 0
+
+    @property
     def smem_ctas(self) -> int:
         """CTAs of this plan that one SM's shared memory holds at once."""
         return SMEM_PER_SM // (self.smem_bytes + SMEM_RESERVED_PER_CTA)
@@ -221,7 +227,8 @@ class DecodePlan:
         q_tile = 2 * self.tile_rows * PITCH
         weights = 2 * self.tile_rows * self.p_pitch
         stats = 2 * 4 * self.warps * self.tile_rows
-        merge = 4 * 2 * self.tile_rows + 32 if self.fan_in else 0  # merge_splits' row (max, sum), its ticket
+        # merge_splits' (max, sum) of a batch of rows and its ticket; it stages the partials in the ring
+        merge = 4 * 2 * self.fan_in * self.merge_rows + 32 if self.fan_in else 0
         return ring + q_tile + weights + stats + merge + 4 * 128  # alignment slack
 
 
@@ -588,7 +595,9 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
     red_sum = smem.allocate_tensor(Float32, cute.make_layout((warps, tile_rows), stride=(tile_rows, 1)),
                                    byte_alignment=16)
     if cutlass.const_expr(plan.fan_in):
-        merge_rows = smem.allocate_tensor(Float32, cute.make_layout((tile_rows, 2), stride=(2, 1)), byte_alignment=16)
+        stage_ml = smem.allocate_tensor(
+            Float32, cute.make_layout((plan.fan_in, plan.merge_rows, 2), stride=(2 * plan.merge_rows, 2, 1)),
+            byte_alignment=16)
         ticket_box = smem.allocate_tensor(Int32, cute.make_layout(1), byte_alignment=16)
     g2s = cute.make_copy_atom(cute.nvgpu.cpasync.CopyG2SOp(cache_mode=cute.nvgpu.cpasync.LoadCacheMode.GLOBAL),
                               BFloat16, num_bits_per_copy=128)
@@ -791,7 +800,8 @@ def _mla_decode_kernel(q_ptr: cute.Pointer, cache_ptr: cute.Pointer, table_ptr: 
                 # the tree's counters follow the records (`_split_scratch`)
                 mla_combine.merge_splits(ws_o_ptr, ws_ml_ptr, info_ptr + slots * INFO, out_ptr, slots, rows * heads,
                                          record[1], splits, record[3], record[4], valid_rows, out_base, tid,
-                                         merge_rows, ticket_box, threads, tile_rows, plan.fan_in)
+                                         cute.recast_ptr(ring.iterator, dtype=Float32), stage_ml, ticket_box, threads,
+                                         tile_rows, plan.fan_in, plan.merge_rows)
         _stamp(stamps_ptr, unit, tid, 5, plan)
 
 
