@@ -171,8 +171,9 @@ def merge_splits(ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, counts_ptr: cu
                     for k in cutlass.range(tid, members * rows, threads):
                         ch = k // rows
                         src = (slot0 + (child0 + ch) * span * stride) * tile_rows + r0 + k - ch * rows
-                        stage_ml[ch, k - ch * rows, 0] = ws_ml[src, 0]
-                        stage_ml[ch, k - ch * rows, 1] = ws_ml[src, 1]
+                        # from L2 like the partials: this SM's L1 may hold the lines from an earlier launch
+                        stage_ml[ch, k - ch * rows, 0] = cute.arch.load(ws_ml_ptr + 2 * src, Float32, cop="cg")
+                        stage_ml[ch, k - ch * rows, 1] = cute.arch.load(ws_ml_ptr + (2 * src + 1), Float32, cop="cg")
                     cute.arch.cp_async_wait_group(0)
                     cute.arch.sync_threads()
                     # every read of these rows is done: the node's partial may take its first child's place
