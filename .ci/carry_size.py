@@ -26,6 +26,7 @@ BLOCK = 4096
 # (markdown is the source of no record, and h200_call.sh allows its absence)
 HOLD_BACK = (("docs/fast_track/*_evidence.md", "nothing on the device (a rendered report)"),
              ("vllm/models/*/nvidia/kernels/MEASURED.md", "nothing on the device (the measurement log)"),
+             ("docs/fast_track/REVIEW.md", "nothing on the device (the worked review)"),
              (".devwheels/coverage-*.whl", "record_coverage (kernels_coverage.json)"),
              (".devwheels/xgrammar-*.tar.xz", "the structured-output test (features_parity.json)"))
 
