@@ -724,25 +724,31 @@ def test_in_kernel_combine_matches_reference_and_leaves_its_counters_zero(fan_in
 
 
 @pytest.mark.gpu
-def test_repeat_launch_and_cuda_graph_follow_device_lengths():
+@pytest.mark.parametrize("fan_in", [0, 8], ids=["combine", "in_kernel_combine"])
+def test_repeat_launch_and_cuda_graph_follow_device_lengths(fan_in):
     """Repeats are bit-identical (no state left between launches) and a captured launch replays the
-    schedule from the device lengths: growing them in place after capture gives the new result."""
+    schedule from the device lengths: growing them in place after capture gives the new result, and
+    a second replay the same (an in-kernel combine's counters are back at zero after each)."""
     grown = [5900, 63, 70000]
     b = Batch([5000, 3, 70000], [1, 1, 1], 12, 64, "normal", 21, "cuda", capacity=grown)
-    first = mla_decode.launch(b.q_lat, b.cache, b.block_table, b.seq_lens, b.query_start, 1)
+    plan = dataclasses.replace(mla_decode.choose_plan(12, 1, 64), fan_in=fan_in)
+
+    def run(out=None):
+        return mla_decode.launch(b.q_lat, b.cache, b.block_table, b.seq_lens, b.query_start, 1, out, plan=plan)
+
+    first = run()
     for _ in range(3):
-        again = mla_decode.launch(b.q_lat, b.cache, b.block_table, b.seq_lens, b.query_start, 1)
-        assert torch.equal(again, first)
+        assert torch.equal(run(), first)
     out = torch.full_like(first, float("nan"))
     graph = torch.cuda.CUDAGraph()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        mla_decode.launch(b.q_lat, b.cache, b.block_table, b.seq_lens, b.query_start, 1, out)
+        run(out)
         torch.cuda.synchronize()
         out.fill_(float("nan"))
         with torch.cuda.graph(graph, stream=stream):
-            mla_decode.launch(b.q_lat, b.cache, b.block_table, b.seq_lens, b.query_start, 1, out)
+            run(out)
     torch.cuda.synchronize()
     assert torch.isnan(out).all(), "capture ran the kernel instead of recording it"
     b.seq_lens.copy_(torch.tensor(grown, dtype=torch.int32))
@@ -751,6 +757,11 @@ def test_repeat_launch_and_cuda_graph_follow_device_lengths():
     torch.cuda.synchronize()
     for r in range(3):
         assert rel_err(out[b.rows_of(r)], b.reference(r)) < REL_ERR_BOUND
+    replayed = out.clone()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, replayed)
 
 
 @pytest.mark.gpu
