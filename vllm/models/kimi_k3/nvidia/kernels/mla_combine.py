@@ -164,9 +164,9 @@ def merge_splits(ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, counts_ptr: cu
                     for k in cutlass.range(tid, members * per_child, threads):
                         ch = k // per_child
                         row = (k - ch * per_child) // row_pieces
+                        col4 = k - ch * per_child - row * row_pieces
                         src = (slot0 + (child0 + ch) * span * stride) * tile_rows + r0 + row
-                        cute.copy(g2s, ws_o[None, src, k - ch * per_child - row * row_pieces],
-                                  stage[None, ch * batch_rows + row, k - ch * per_child - row * row_pieces])
+                        cute.copy(g2s, ws_o[None, src, col4], stage[None, ch * batch_rows + row, col4])
                     cute.arch.cp_async_commit_group()
                     for k in cutlass.range(tid, members * rows, threads):
                         ch = k // rows

@@ -920,7 +920,8 @@ def launch(q_lat: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
     """ol [rows, heads, 512] bf16 (module docstring) into `out` (allocated when None) on `stream`,
     with softmax scale `tau` (the model's 1/sqrt(d_nope + d_rope); K3's by default).
 
-    Runs the split kernel and, on the same stream, the combine (`mla_combine.launch`). The first
+    Runs the split kernel and, on the same stream, the combine (`mla_combine.launch`; a
+    `plan.fan_in` plan merges its splits in the split kernel and launches none). The first
     call of a variant compiles (seconds); later calls only launch. `plan` (`choose_plan` when
     None; `sweep_plans` lists the variants a benchmark compares), `target` (work units to aim
     for; default `plan.waves` · SMs) and `min_chunks` (default `plan.min_chunks`) override the
