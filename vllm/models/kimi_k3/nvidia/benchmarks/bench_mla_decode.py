@@ -137,7 +137,7 @@ class Case:
 
 
 def plan_label(plan: mla_decode.DecodePlan) -> str:
-    flags = "".join(f" {name}" for name in ("defer_table", "copies_under_qk") if getattr(plan, name))
+    flags = "".join(f" {name}" for name in ("defer_table", "copies_under_qk", "combine_pdl") if getattr(plan, name))
     return (f"{plan.warps}w {plan.chunk}tok {plan.stages}st {plan.m_tiles}mt waves={plan.waves} "
             f"min={plan.min_chunks}" + (f" {plan.mma}" if plan.mma != "sync" else "") + flags
             + (f" fan_in={plan.fan_in}" if plan.fan_in else ""))

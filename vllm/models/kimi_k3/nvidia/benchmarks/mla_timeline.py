@@ -70,7 +70,7 @@ def run_case(heads: int, q: int, requests: int, context: int, copy_bw: float, ge
     out = torch.full((requests * q, heads, LATENT), float("nan"), device="cuda", dtype=torch.bfloat16)
     plain_us = time_graph(case.launches(out, plan), replays=10)
     judge = out.clone()
-    variants = {"defer_table": {"defer_table": True}}
+    variants = {"defer_table": {"defer_table": True}, "combine_pdl": {"combine_pdl": True}}
     if plan.mma == "wgmma":
         variants |= {"copies_under_qk": {"copies_under_qk": True},
                      "both": {"defer_table": True, "copies_under_qk": True}}

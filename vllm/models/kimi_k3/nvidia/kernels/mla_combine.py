@@ -214,8 +214,10 @@ def merge_splits(ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, counts_ptr: cu
 
 @cute.kernel
 def _mla_combine_kernel(ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, info_ptr: cute.Pointer,
-                        out_ptr: cute.Pointer, slots: Int32, out_rows: Int32, tile_rows: Constexpr):
+                        out_ptr: cute.Pointer, slots: Int32, out_rows: Int32, tile_rows: Constexpr, pdl: Constexpr):
     cute.arch.griddepcontrol_launch_dependents()  # a PDL-launched GEMM may start its W loads (skinny_gemm.py)
+    if cutlass.const_expr(pdl):  # launched while the split kernel runs: its workspace is read only once it ends
+        cute.arch.griddepcontrol_wait()
     tid, _, _ = cute.arch.thread_idx()
     unit, _, _ = cute.arch.block_idx()
     lane = tid % 32
@@ -287,32 +289,33 @@ def _mla_combine_kernel(ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, info_pt
 @cute.jit
 def _mla_combine_host(ws_o_ptr: cute.Pointer, ws_ml_ptr: cute.Pointer, info_ptr: cute.Pointer,
                       out_ptr: cute.Pointer, slots: Int32, out_rows: Int32, stream: cuda.CUstream,
-                      tile_rows: Constexpr):
-    _mla_combine_kernel(ws_o_ptr, ws_ml_ptr, info_ptr, out_ptr, slots, out_rows, tile_rows).launch(
-        grid=(slots, 1, 1), block=(32 * GROUPS, 1, 1), stream=stream)
+                      tile_rows: Constexpr, pdl: Constexpr):
+    _mla_combine_kernel(ws_o_ptr, ws_ml_ptr, info_ptr, out_ptr, slots, out_rows, tile_rows, pdl).launch(
+        grid=(slots, 1, 1), block=(32 * GROUPS, 1, 1), stream=stream, use_pdl=pdl)
 
 
 
-def compile_mla_combine(tile_rows: int, arch: str, ptx_dir: str | None = None) -> Any:
+def compile_mla_combine(tile_rows: int, arch: str, ptx_dir: str | None = None, pdl: bool = False) -> Any:
     """Compile for one tile height and arch ('sm_90a', 'sm_100a', 'sm_103a'); needs no GPU. With
-    `ptx_dir` the PTX is kept (written there, and in the result's `artifacts.PTX`)."""
+    `ptx_dir` the PTX is kept (written there, and in the result's `artifacts.PTX`). `pdl`: launched
+    as a PDL dependent of the split kernel (`DecodePlan.combine_pdl`)."""
     f32 = gmem_ptr(Float32, 16)
     return cute.compile(_mla_combine_host, f32, f32, gmem_ptr(Int32, 16, 4), gmem_ptr(BFloat16, 16), Int32(1), Int32(1),
-                        cute.runtime.make_fake_stream(), tile_rows,
+                        cute.runtime.make_fake_stream(), tile_rows, pdl,
                         options=f"--gpu-arch {arch}" + (f" --keep-ptx --dump-dir {ptx_dir}" if ptx_dir else ""))
 
 
-_COMPILED: dict[tuple[int, str], Any] = {}
+_COMPILED: dict[tuple[int, str, bool], Any] = {}
 
 
 def launch(ws_o: torch.Tensor, ws_ml: torch.Tensor, info: torch.Tensor, out: torch.Tensor, slots: int,
-           tile_rows: int, arch: str, stream: cuda.CUstream) -> None:
+           tile_rows: int, arch: str, stream: cuda.CUstream, pdl: bool = False) -> None:
     """Merge the splits `mla_decode.launch` left in its workspace into `out` [rows, heads, 512].
 
     Called by `mla_decode.launch` (which checked every tensor) on its stream."""
-    key = (tile_rows, arch)
+    key = (tile_rows, arch, pdl)
     fn = _COMPILED.get(key)
     if fn is None:
-        fn = _COMPILED[key] = compile_mla_combine(tile_rows, arch)
+        fn = _COMPILED[key] = compile_mla_combine(tile_rows, arch, pdl=pdl)
     fn(gmem_ptr(Float32, ws_o.data_ptr()), gmem_ptr(Float32, ws_ml.data_ptr()), gmem_ptr(Int32, info.data_ptr(), 4),
        gmem_ptr(BFloat16, out.data_ptr()), slots, out.shape[0] * out.shape[1], stream)

@@ -151,6 +151,7 @@ class DecodePlan:
     copies_under_qk: bool = False  # wgmma: the next chunk's copies issue after the scores' wgmma, before its wait
     timeline: bool = False  # each CTA's thread 0 writes STAMPS %globaltimer readings (`launch(stamps=...)`)
     fan_in: int = 0  # sync: 0 launches the combine; 4..16 merges the splits in-kernel (`mla_combine.merge_splits`)
+    combine_pdl: bool = False  # the combine launched as a PDL dependent of the split kernel
 
     def __post_init__(self) -> None:
         if self.mma == "wgmma":
@@ -168,6 +169,8 @@ class DecodePlan:
         if self.fan_in and (self.mma != "sync" or not 4 <= self.fan_in <= 16 or self.merge_rows < 1):
             raise ValueError(f"{self}: fan_in (the in-kernel combine's tree) is 0, or 4..16 with mma 'sync' "
                              "and a ring that holds a row of every child (2 KB each)")
+        if self.combine_pdl and self.fan_in:
+            raise ValueError(f"{self}: combine_pdl needs a combine to launch (fan_in 0)")
         if self.waves < 1 or self.min_chunks < 1:
             raise ValueError(f"{self}: need waves >= 1, min_chunks >= 1")
 
@@ -261,8 +264,8 @@ def sweep_plans(heads: int, max_q: int, block_size: int, arch: str | None = None
     base = choose_plan(heads, max_q, block_size, arch)
     if base.mma == "wgmma":  # against the mma.sync kernel's default, and two waves
         return [base, replace(base, defer_table=True), replace(base, copies_under_qk=True),
-                replace(base, defer_table=True, copies_under_qk=True), choose_plan(heads, max_q, block_size),
-                replace(base, waves=2)]
+                replace(base, defer_table=True, copies_under_qk=True), replace(base, combine_pdl=True),
+                choose_plan(heads, max_q, block_size), replace(base, waves=2)]
     rows = heads * max_q
     variants = [replace(base, **kw) for kw in (
         {"defer_table": True},
@@ -270,6 +273,7 @@ def sweep_plans(heads: int, max_q: int, block_size: int, arch: str | None = None
          "min_chunks": 4},  # the superseded GPU-tested shape
         {"warps": 4, "m_tiles": min(2, base.m_tiles)}, {"warps": 8},
         {"waves": 2}, {"waves": 4, "min_chunks": 4}, {"min_chunks": 8}, {"fan_in": 8}, {"fan_in": 16},
+        {"combine_pdl": True},
         {"m_tiles": min(4 if base.warps == 8 else 2, -(-rows // 16))}, {"m_tiles": max(1, base.m_tiles - 1)})]
     # Two CTAs an SM at once (up to 16 query rows: 96 KB each): one CTA's copies stream while the
     # other computes, where the default's single CTA alternates between waiting and computing;
@@ -967,5 +971,5 @@ def launch(q_lat: torch.Tensor, cache: torch.Tensor, block_table: torch.Tensor, 
        gmem_ptr(Int64, (stamps if stamps is not None else info).data_ptr(), 8),
        rows, requests, num_blocks, max_blocks, slots, target, min_chunks, tau * math.log2(math.e), cu_stream)
     if not plan.fan_in:
-        mla_combine.launch(ws_o, ws_ml, info, out, slots, plan.tile_rows, dev.arch, cu_stream)
+        mla_combine.launch(ws_o, ws_ml, info, out, slots, plan.tile_rows, dev.arch, cu_stream, plan.combine_pdl)
     return out

@@ -571,6 +571,11 @@ def test_combine_compiles_for_arch(arch, tmp_path):
     assert len(re.findall(r"ld\.global\.v4\.b32", ptx)) == mla_combine.UNROLL  # a batch of splits in flight
     assert "ex2.approx" in ptx and "cvt.rn.bf16x2.f32" in ptx
     assert not re.search(r"\b(ld|st)\.local", ptx)
+    # launched after the split kernel ends, it waits for nothing; as its PDL dependent, before any read
+    assert "griddepcontrol.wait" not in ptx
+    (tmp_path / "pdl").mkdir()
+    pdl = mla_combine.compile_mla_combine(32, arch, ptx_dir=str(tmp_path / "pdl"), pdl=True).artifacts.PTX
+    assert pdl.index("griddepcontrol.wait") < pdl.index("ld.global")
 
 
 # ---------------------------------------------------------------- GPU checks
